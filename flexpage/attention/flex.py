@@ -1,0 +1,149 @@
+"""The compiled paged attention call: logical recipe mods wrapped in the paging translation.
+
+``paged_attention`` is the one call a model layer makes: it takes the flat new-token
+queries ``[T, H, D]`` and one layer's pool, and runs one FlexAttention kernel per group of
+a :class:`~flexpage.attention.paging.PagedBatch` (decode rows, prefill rows).
+
+Compilation: ``_group_attention`` is wrapped once by ``torch.compile`` (``dynamic=True``)
+at module level of :class:`FlexRunner`; the recipe, page size, query block and kernel
+options are Python constants, so the compiled variants a run can trigger are bounded by
+(dtype, head dims, recipe) x {decode, prefill}, plus the 0/1 specialisations Dynamo makes
+for a group with one row. ``FlexRunner(compile=False)`` runs the same program eagerly
+(it materialises scores: for debugging only).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from flexpage.attention import _inductor_fix
+from flexpage.attention.errors import check_arg
+from flexpage.attention.paging import AttentionGroup, PagedBatch
+from flexpage.attention.recipe import Recipe
+
+
+def _group_attention(
+    q: Tensor,  # [B, H, L, D]
+    k_pool: Tensor,  # [1, H_kv, S, D]
+    v_pool: Tensor,
+    kv_num_blocks: Tensor,
+    kv_indices: Tensor,
+    full_kv_num_blocks: Tensor,
+    full_kv_indices: Tensor,
+    row_seq: Tensor,
+    block_table: Tensor,
+    q_start: Tensor,
+    seq_len: Tensor,
+    page_to_logical: Tensor,
+    recipe: Recipe,
+    page_size: int,
+    q_block: int,
+    scale: float | None,
+    kernel_options: dict | None,
+) -> Tensor:
+    def logical(b: Tensor, q_idx: Tensor, kv_idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        page = kv_idx // page_size
+        logical_page = page_to_logical[page]
+        kv_pos = logical_page * page_size + kv_idx % page_size
+        # the compiled kernel only visits pages listed for row b; eager mode visits all
+        owned = (logical_page >= 0) & (block_table[b, logical_page.clamp(min=0)] == page)
+        valid = owned & (kv_pos < seq_len[b])
+        # recipes may index tables by position: keep positions in range even where masked
+        last = (seq_len[b] - 1).clamp(min=0)
+        q_pos = (q_start[b] + q_idx).clamp(max=last)
+        return q_pos, kv_pos.clamp(min=0, max=last), valid
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        q_pos, kv_pos, valid = logical(b, q_idx, kv_idx)
+        if recipe.mask_mod is None:
+            return valid
+        return valid & recipe.mask_mod(row_seq[b], h, q_pos, kv_pos)
+
+    score_mod = None
+    if recipe.score_mod is not None:
+        user_score = recipe.score_mod
+
+        def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            q_pos, kv_pos, _ = logical(b, q_idx, kv_idx)
+            return user_score(score, row_seq[b], h, q_pos, kv_pos)
+
+    block_mask = BlockMask.from_kv_blocks(
+        kv_num_blocks,
+        kv_indices,
+        full_kv_num_blocks,
+        full_kv_indices,
+        BLOCK_SIZE=(q_block, page_size),
+        mask_mod=mask_mod,
+        seq_lengths=(q.shape[2], k_pool.shape[2]),
+        compute_q_blocks=False,
+    )
+    return flex_attention(
+        q, k_pool, v_pool, score_mod=score_mod, block_mask=block_mask, scale=scale,
+        enable_gqa=q.shape[1] != k_pool.shape[1], kernel_options=kernel_options,
+    )
+
+
+_inductor_fix.apply()
+_compiled_group_attention = torch.compile(_group_attention, dynamic=False, fullgraph=True)
+
+
+def _mark_dynamic_rows(q: Tensor, group: AttentionGroup) -> None:
+    """Only the row count and query length vary between steps; everything else stays static.
+
+    Keeping the pool and head sizes static matters twice: static sizes give the kernel its
+    best code, and the CPU template misnames size symbols once a kernel has ten or more.
+    """
+    for t in (q, group.kv_num_blocks, group.kv_indices, group.full_kv_num_blocks, group.full_kv_indices,
+              group.row_seq, group.block_table, group.q_start, group.seq_len):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    if group.q_len > 1:
+        torch._dynamo.maybe_mark_dynamic(q, 2)
+        for t in (group.kv_num_blocks, group.kv_indices, group.full_kv_num_blocks, group.full_kv_indices):
+            torch._dynamo.maybe_mark_dynamic(t, 2)
+
+
+class FlexRunner:
+    """Runs paged attention for one model: holds the recipe and the compile switch."""
+
+    def __init__(self, recipe: Recipe, *, compile: bool = True, scale: float | None = None,
+                 kernel_options: dict | None = None) -> None:
+        self.recipe = recipe
+        self.compile = compile
+        self.scale = scale
+        self.kernel_options = kernel_options
+
+    def __call__(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, batch: PagedBatch) -> Tensor:
+        """q: [T, H, D] new-token queries in flat order -> [T, H, D] attention output."""
+        check_arg(q.dim() == 3 and q.shape[0] == batch.num_tokens, "q", tuple(q.shape),
+                  f"[num_tokens={batch.num_tokens}, heads, head_dim]")
+        check_arg(k_pool.dim() == 4 and k_pool.shape[0] == 1, "k_pool", tuple(k_pool.shape), "[1, kv_heads, slots, head_dim]")
+        check_arg(q.shape[2] == k_pool.shape[3], "q head_dim", q.shape[2], f"the pool's head_dim {k_pool.shape[3]}")
+        check_arg(q.shape[1] % k_pool.shape[1] == 0, "q heads", q.shape[1],
+                  f"a multiple of the pool's {k_pool.shape[1]} kv heads")
+        check_arg(q.dtype == k_pool.dtype, "q.dtype", q.dtype, f"the pool dtype {k_pool.dtype}")
+        check_arg(k_pool.shape[2] == batch.num_pages * batch.page_size, "k_pool slots", k_pool.shape[2],
+                  f"{batch.num_pages} pages x {batch.page_size}")
+        fn = _compiled_group_attention if self.compile else _group_attention
+        # one zero row at index num_tokens serves every padded query position
+        q_ext = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
+        out = q.new_empty(q.shape)
+        for group in batch.groups:
+            q_group = q_ext[group.token_index].transpose(1, 2)  # [B, L, H, D] -> [B, H, L, D]
+            if self.compile:
+                _mark_dynamic_rows(q_group, group)
+            o = fn(
+                q_group, k_pool, v_pool, group.kv_num_blocks, group.kv_indices,
+                group.full_kv_num_blocks, group.full_kv_indices, group.row_seq, group.block_table, group.q_start,
+                group.seq_len, group.page_to_logical, self.recipe, batch.page_size, group.q_block,
+                self.scale, self.kernel_options,
+            )
+            _scatter_rows(out, o.transpose(1, 2), group)
+        return out
+
+
+def _scatter_rows(out: Tensor, o: Tensor, group: AttentionGroup) -> None:
+    index = group.token_index.flatten()
+    keep = index < out.shape[0]
+    out[index[keep]] = o.reshape(-1, *o.shape[2:])[keep]

@@ -1,0 +1,119 @@
+"""``attn_implementation="flexpage"`` for HF transformers.
+
+Registers two functions under the name ``flexpage``: the attention function (in
+``AttentionInterface``) and its mask builder (in ``AttentionMaskInterface``). HF builds
+masks per registered implementation, so an attention function registered alone would run
+with no causal mask at all. Our mask builder returns a small :class:`FlexpageMask` (the
+rows' padding and offsets) instead of a dense 4D tensor; the attention function turns it
+into a block mask once per forward pass and layer kind and reuses it in every layer.
+
+Model features map to recipes: GQA -> ``enable_gqa``; ``sliding_window`` (Mistral,
+Gemma2/3 local layers) -> :func:`recipes.sliding_window`; ``softcap`` (Gemma2's
+``attn_logit_softcapping``) -> :func:`recipes.softcap`.
+
+``FLEXPAGE_COMPILE=0`` runs the same program eagerly (slow; for debugging).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from flexpage.attention.contiguous import ContiguousMask, RowLayout, build_contiguous_mask, contiguous_attention
+from flexpage.attention.recipe import CAUSAL, Recipe, compose, window_rule
+
+IMPLEMENTATION_NAME = "flexpage"
+
+
+@dataclass
+class FlexpageMask:
+    """What HF's mask step hands our attention function: row layout plus a per-recipe block-mask cache."""
+
+    layout: RowLayout
+    q_length: int
+    _built: dict[str, ContiguousMask] = field(default_factory=dict)
+
+    def block_mask(self, recipe: Recipe) -> ContiguousMask:
+        if recipe.name not in self._built:
+            self._built[recipe.name] = build_contiguous_mask(self.layout, self.q_length, recipe)
+        return self._built[recipe.name]
+
+
+def flexpage_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,  # noqa: ANN001 - HF's own factory; the recipe is chosen per layer instead
+    attention_mask: Tensor | None = None,
+    device: torch.device | str = "cpu",
+    **kwargs: object,
+) -> FlexpageMask:
+    """HF mask-interface entry: describe padding and offsets, defer the block mask to the layer."""
+    q_offset, kv_offset = int(q_offset), int(kv_offset)
+    if attention_mask is None:
+        valid = torch.ones(batch_size, kv_length, dtype=torch.bool, device=device)
+        shift = torch.zeros(batch_size, dtype=torch.long, device=device)
+    else:
+        full = attention_mask.to(torch.bool)
+        # left padding: logical position = absolute index - leading padding tokens
+        shift = torch.where(full.any(-1), full.int().argmax(-1), 0).long()
+        valid = full[:, kv_offset : kv_offset + kv_length]
+        if valid.shape[1] < kv_length:  # the cache holds positions the 2D mask does not cover yet
+            valid = torch.nn.functional.pad(valid, (0, kv_length - valid.shape[1]), value=True)
+    return FlexpageMask(RowLayout(valid, shift, q_offset, kv_offset), q_length)
+
+
+@functools.lru_cache(maxsize=None)
+def recipe_for(sliding_window: int | None, softcap: float | None) -> Recipe:
+    """The recipe a layer's HF attention kwargs ask for (cached: recipes are immutable)."""
+    from recipes.sliding_window import sliding_window as window_recipe
+    from recipes.softcap import softcap as softcap_recipe
+
+    parts = [CAUSAL]
+    if sliding_window:
+        parts.append(window_recipe(int(sliding_window)))
+    if softcap:
+        parts.append(softcap_recipe(float(softcap)))
+    return parts[0] if len(parts) == 1 else compose(*parts)
+
+
+def flexpage_attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,  # [B, H, L, D]
+    key: Tensor,  # [B, H_kv, S, D]
+    value: Tensor,
+    attention_mask: FlexpageMask | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: object,
+) -> tuple[Tensor, None]:
+    if attention_mask is None or not isinstance(attention_mask, FlexpageMask):
+        batch, _, q_len, _ = query.shape
+        kv_len = key.shape[2]
+        attention_mask = flexpage_mask(batch, q_len, kv_len, q_offset=kv_len - q_len, device=query.device)
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("s_aux: attention sinks are not supported by attn_implementation='flexpage'")
+    recipe = recipe_for(sliding_window, softcap)
+    compile = os.environ.get("FLEXPAGE_COMPILE", "1") != "0"
+    out = contiguous_attention(
+        query, key, value, attention_mask.layout, recipe, scale=scaling, compile=compile,
+        mask=attention_mask.block_mask(recipe),
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Make ``attn_implementation="flexpage"`` available (idempotent; called by ``import flexpage``)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(IMPLEMENTATION_NAME, flexpage_attention_forward)
+    AttentionMaskInterface.register(IMPLEMENTATION_NAME, flexpage_mask)

@@ -1,0 +1,113 @@
+"""The global physical KV pool: one tensor pair per layer, shared by every sequence.
+
+Memory layout per layer is ``[1, num_kv_heads, num_blocks * block_size, head_dim]``: the
+shape FlexAttention wants for its key/value arguments (batch 1, broadcast over every
+query row), so attention reads the pool in place, with no gather. A *slot* is one token
+position in the pool: ``slot = block_id * block_size + offset``. Block 0 is the null
+block; block tables pad with it, so padding reads harmless zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flexpage.attention.errors import check_arg
+
+
+class KVPool:
+    """Fixed-size paged key/value storage for all layers of one model."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            check_arg(isinstance(value, int) and value > 0, name, value, "a positive int")
+        check_arg(num_blocks >= 2, "num_blocks", num_blocks, "at least 2 (block 0 is the null block)")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_layers, 2, 1, num_kv_heads, num_blocks * block_size, head_dim)
+        # one allocation for everything, so swap/copy of a block touches one tensor
+        self.storage = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token occupies across all layers (K and V)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.storage.element_size()
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key, value) views of one layer: ``[1, H_kv, num_slots, D]`` each."""
+        return self.storage[index, 0], self.storage[index, 1]
+
+    def write(self, index: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store new K/V for a batch of tokens in one vectorised scatter.
+
+        slots: [T] int64 pool slots; key/value: [T, H_kv, D].
+        """
+        k_pool, v_pool = self.layer(index)
+        write_kv(k_pool, v_pool, slots, key, value)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer (copy-on-write)."""
+        if not pairs:
+            return
+        src, dst = self._slot_ranges(pairs)
+        view = self.storage.view(-1, self.num_slots, self.head_dim)
+        view[:, dst] = view[:, src]
+
+    def _slot_ranges(self, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.tensor(pairs, dtype=torch.long, device=self.device)
+        offsets = torch.arange(self.block_size, device=self.device)
+        src = (ids[:, 0:1] * self.block_size + offsets).flatten()
+        dst = (ids[:, 1:2] * self.block_size + offsets).flatten()
+        return src, dst
+
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """All layers' K/V of some blocks, ``[L*2*H, len(blocks)*block_size, D]`` (for swapping out)."""
+        slots = self._block_slots(blocks)
+        return self.storage.view(-1, self.num_slots, self.head_dim)[:, slots].clone()
+
+    def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
+        """Inverse of :meth:`read_blocks` (for swapping in)."""
+        slots = self._block_slots(blocks)
+        self.storage.view(-1, self.num_slots, self.head_dim)[:, slots] = data
+
+    def _block_slots(self, blocks: list[int]) -> torch.Tensor:
+        ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        return (ids[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
+
+
+def write_kv(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """Scatter ``key``/``value`` ``[T, H_kv, D]`` into pools ``[1, H_kv, S, D]`` at ``slots`` ``[T]``."""
+    _, num_heads, num_slots, head_dim = k_pool.shape
+    expected = (slots.shape[0], num_heads, head_dim)
+    check_arg(tuple(key.shape) == expected, "key", tuple(key.shape), f"shape {expected} (tokens, kv heads, head dim)")
+    check_arg(tuple(value.shape) == expected, "value", tuple(value.shape), f"shape {expected}")
+    check_arg(key.dtype == k_pool.dtype, "key.dtype", key.dtype, f"the pool dtype {k_pool.dtype}")
+    # [T, H, D] -> [H, T, D] so one index_copy_ along the slot axis stores every head
+    k_pool[0].index_copy_(1, slots, key.transpose(0, 1))
+    v_pool[0].index_copy_(1, slots, value.transpose(0, 1))

@@ -1,0 +1,268 @@
+"""From block tables to FlexAttention inputs: the paging translation.
+
+One :class:`PagedBatch` is built per engine step from the block tables and lengths of
+the scheduled sequences, and shared by every layer. It splits the batch into *groups*
+by query length -- decode rows (one new token) and prefill rows (a chunk of new tokens,
+with or without cached context) -- because the CPU kernel walks a whole query block per
+key block: one decode row padded into a 64-row query block would do 64x the work.
+
+For each group it builds a ``BlockMask`` directly from the block tables with tensor
+operations (no ``create_block_mask``): key blocks are physical pages; a page that the
+recipe's :class:`~flexpage.attention.recipe.BlockRule` says is wholly visible goes to the
+*full* list (the kernel skips the mask there); pages at the causal frontier, the window
+edge or the sequence end go to the *partial* list, where the paged ``mask_mod`` runs.
+
+Physical slots become logical positions through ``page_to_logical[row, page]``, so a
+recipe sees only ``(b, h, q_pos, kv_pos)`` in sequence coordinates.
+
+Picture of one prefill row (page size 4, 6 cached tokens, 5 new tokens)::
+
+    logical pos : 0 1 2 3 | 4 5 6 7 | 8 9 10
+    page        :  p=0       p=1       p=2
+    query rows  :               q q q   q q      (positions 6..10)
+    q block [6,10] vs p=0 -> full; p=1 -> partial (causal edge); p=2 -> partial
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from flexpage.attention.errors import check_arg
+from flexpage.attention.recipe import Recipe
+
+DECODE_Q_BLOCK = 1
+PREFILL_Q_BLOCK = 32
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Rows of the batch that share one padded query length and one ``BlockMask``."""
+
+    token_index: Tensor  # [B, L] int64: flat token index per padded query row (num_tokens = padding)
+    q_block: int
+    kv_num_blocks: Tensor  # [B, 1, M] int32, partial pages per query block
+    kv_indices: Tensor  # [B, 1, M, J] int32, physical page ids, partial first
+    full_kv_num_blocks: Tensor  # [B, 1, M] int32
+    full_kv_indices: Tensor  # [B, 1, M, J] int32
+    row_seq: Tensor  # [B] int32, batch index of each row's sequence (what a recipe calls b)
+    block_table: Tensor  # [B, J] int32, each row's block table
+    q_start: Tensor  # [B] int32, logical position of each row's first query token
+    seq_len: Tensor  # [B] int32, tokens in the pool for the row's sequence after this step
+    page_to_logical: Tensor  # [num_pages] int32, logical page index of each physical page in use
+
+    @property
+    def rows(self) -> int:
+        return self.token_index.shape[0]
+
+    @property
+    def q_len(self) -> int:
+        return self.token_index.shape[1]
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """Everything attention needs for one step, computed once and used by all layers."""
+
+    num_tokens: int
+    page_size: int
+    num_pages: int
+    groups: tuple[AttentionGroup, ...]
+    positions: Tensor  # [num_tokens] int64, logical position of every new token
+    slots: Tensor  # [num_tokens] int64, pool slot each new token's K/V is written to
+
+
+def build_paged_batch(
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_lens: Tensor,
+    *,
+    page_size: int,
+    num_pages: int,
+    recipe: Recipe,
+    bucket: bool = True,
+) -> PagedBatch:
+    """Plan one step of paged attention.
+
+    block_tables: [S, J] int, physical page ids per logical page (pad with 0, the null page)
+    seq_lens:     [S] int, tokens of each sequence in the pool after this step's writes
+    query_lens:   [S] int, new tokens per sequence this step (>= 1); the flat token order
+                  is sequence 0's new tokens, then sequence 1's, ...
+    ``bucket`` rounds group row counts and query lengths up to powers of two so a
+    serving run triggers a bounded number of compiled kernels.
+    """
+    block_tables, seq_lens, query_lens = _check_inputs(block_tables, seq_lens, query_lens, page_size, num_pages)
+    seq_lens_l = seq_lens.long()
+    query_lens_l = query_lens.long()
+    starts = torch.cumsum(query_lens_l, 0) - query_lens_l
+    num_tokens = int(query_lens_l.sum())
+    positions, slots = _positions_and_slots(block_tables, seq_lens_l, query_lens_l, starts, num_tokens, page_size)
+    page_to_logical = _page_to_logical(block_tables, seq_lens_l, page_size, num_pages)
+    is_decode = query_lens_l == 1
+    groups = []
+    for mask, q_block in ((is_decode, DECODE_Q_BLOCK), (~is_decode, PREFILL_Q_BLOCK)):
+        rows = torch.nonzero(mask).flatten()
+        if rows.numel() == 0:
+            continue
+        groups.append(
+            _build_group(
+                rows, block_tables, seq_lens_l, query_lens_l, starts, page_to_logical,
+                num_tokens=num_tokens, num_pages=num_pages, page_size=page_size, q_block=q_block,
+                recipe=recipe, bucket=bucket,
+            )
+        )
+    return PagedBatch(num_tokens, page_size, num_pages, tuple(groups), positions, slots)
+
+
+def _check_inputs(
+    block_tables: Tensor, seq_lens: Tensor, query_lens: Tensor, page_size: int, num_pages: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    check_arg(block_tables.dim() == 2, "block_tables", tuple(block_tables.shape), "a 2-D [num_seqs, max_pages] tensor")
+    num_seqs, width = block_tables.shape
+    check_arg(not block_tables.is_floating_point(), "block_tables.dtype", block_tables.dtype, "an integer dtype")
+    check_arg(tuple(seq_lens.shape) == (num_seqs,), "seq_lens", tuple(seq_lens.shape), f"shape ({num_seqs},)")
+    check_arg(tuple(query_lens.shape) == (num_seqs,), "query_lens", tuple(query_lens.shape), f"shape ({num_seqs},)")
+    if num_seqs == 0:
+        return block_tables, seq_lens, query_lens
+    lo, hi = int(block_tables.min()), int(block_tables.max())
+    check_arg(lo >= 0 and hi < num_pages, "block_tables", f"page ids in [{lo}, {hi}]", f"ids in [0, {num_pages - 1}] (pool size {num_pages})")
+    qmin, smax = int(query_lens.min()), int(seq_lens.max())
+    check_arg(qmin >= 1, "query_lens", f"min {qmin}", "at least one new token per sequence")
+    bad = torch.nonzero(query_lens > seq_lens).flatten()
+    check_arg(bad.numel() == 0, "query_lens", _first(query_lens, bad), f"<= seq_lens ({_first(seq_lens, bad)})")
+    capacity = width * page_size
+    check_arg(smax <= capacity, "seq_lens", f"max {smax}", f"<= the {capacity} slots of {width} pages per block table row")
+    needed = (seq_lens.long() + page_size - 1) // page_size
+    used = torch.arange(width)[None, :] < needed[:, None]
+    null_used = torch.nonzero((block_tables == 0) & used)
+    if null_used.numel():
+        row = int(null_used[0, 0])
+        raise ValueError(
+            f"block_tables: row {row} has seq_lens {int(seq_lens[row])}, which needs {int(needed[row])} pages, "
+            f"but its page {int(null_used[0, 1])} is the null page 0 (a sequence longer than its blocks)"
+        )
+    return block_tables, seq_lens, query_lens
+
+
+def _first(t: Tensor, idx: Tensor) -> int | None:
+    return int(t[idx[0]]) if idx.numel() else None
+
+
+def _positions_and_slots(
+    block_tables: Tensor, seq_lens: Tensor, query_lens: Tensor, starts: Tensor, num_tokens: int, page_size: int
+) -> tuple[Tensor, Tensor]:
+    seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens)
+    offset_in_query = torch.arange(num_tokens) - starts[seq_of_token]
+    positions = (seq_lens - query_lens)[seq_of_token] + offset_in_query
+    pages = block_tables.long()[seq_of_token, positions // page_size]
+    return positions, pages * page_size + positions % page_size
+
+
+def _page_to_logical(block_tables: Tensor, seq_lens: Tensor, page_size: int, num_pages: int) -> Tensor:
+    """Logical page index of every physical page in use: ``[num_pages]`` int32.
+
+    One table serves all rows because a physical page sits at the same logical index in
+    every sequence that holds it (prefix sharing and copy-on-write share whole prefixes).
+    Pages no row uses map to -1. The mask still checks that a page belongs to the row
+    (the compiled kernel only visits listed pages anyway; eager mode visits every slot).
+    """
+    num_seqs, width = block_tables.shape
+    logical = torch.arange(width, dtype=torch.int32).expand(num_seqs, width)
+    in_use = logical < ((seq_lens + page_size - 1) // page_size)[:, None]
+    pages = block_tables.long()[in_use]
+    index = logical[in_use]
+    table = torch.full((num_pages,), -1, dtype=torch.int32)
+    table[pages] = index
+    clash = torch.nonzero(table[pages] != index).flatten()
+    if clash.numel():
+        page = int(pages[clash[0]])
+        raise ValueError(
+            f"block_tables: physical page {page} appears at logical pages {int(index[clash[0]])} and "
+            f"{int(table[page])}; a shared page must hold the same positions in every sequence"
+        )
+    return table
+
+
+def _build_group(
+    rows: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_lens: Tensor,
+    starts: Tensor,
+    page_to_logical: Tensor,
+    *,
+    num_tokens: int,
+    num_pages: int,
+    page_size: int,
+    q_block: int,
+    recipe: Recipe,
+    bucket: bool,
+) -> AttentionGroup:
+    n = rows.numel()
+    max_q = int(query_lens[rows].max())
+    num_rows = next_power_of_two(n) if bucket else n
+    q_len = next_power_of_two(max_q) if bucket else max_q
+    q_block = min(q_block, q_len)
+    q_len = -(-q_len // q_block) * q_block
+    pad = num_rows - n
+    width = block_tables.shape[1]
+
+    def padded(t: Tensor, fill: int) -> Tensor:
+        return torch.cat([t, t.new_full((pad, *t.shape[1:]), fill)]) if pad else t
+
+    seq_len = padded(seq_lens[rows], 0)
+    q_count = padded(query_lens[rows], 0)
+    q_start = seq_len - q_count
+    row_seq = padded(rows, 0)
+    table = padded(block_tables[rows].long(), 0)
+
+    q_offsets = torch.arange(q_len)
+    token_index = torch.where(
+        q_offsets[None, :] < q_count[:, None], padded(starts[rows], 0)[:, None] + q_offsets[None, :], num_tokens
+    )
+
+    # query blocks [B, M, 1] against pages [1, 1, J]
+    m = torch.arange(q_len // q_block)
+    q_lo = (q_start[:, None] + m[None, :] * q_block)[:, :, None]
+    q_rows = (q_count[:, None] - m[None, :] * q_block).clamp(max=q_block)[:, :, None]
+    q_hi = q_lo + q_rows - 1
+    kv_lo = (torch.arange(width) * page_size)[None, None, :]
+    kv_hi = kv_lo + page_size - 1
+    b = row_seq[:, None, None]
+    may, every = recipe.block_rule(b, q_lo, q_hi, kv_lo, kv_hi)
+    may = may & (q_rows > 0) & (kv_lo < seq_len[:, None, None])
+    every = every & may & (kv_hi < seq_len[:, None, None])
+    partial = may & ~every
+    # the kernel wants index rows as wide as the pool; entries past the counts are never read
+    kv_num_blocks, kv_indices = _compact(partial, table, num_pages)
+    full_kv_num_blocks, full_kv_indices = _compact(every, table, num_pages)
+    return AttentionGroup(
+        token_index=token_index,
+        q_block=q_block,
+        kv_num_blocks=kv_num_blocks,
+        kv_indices=kv_indices,
+        full_kv_num_blocks=full_kv_num_blocks,
+        full_kv_indices=full_kv_indices,
+        row_seq=row_seq.int(),
+        block_table=table.int(),
+        q_start=q_start.int(),
+        seq_len=seq_len.int(),
+        page_to_logical=page_to_logical,
+    )
+
+
+def _compact(selected: Tensor, table: Tensor, num_pages: int) -> tuple[Tensor, Tensor]:
+    """Selected pages first, in logical order: ``[B, M, J]`` bool -> counts ``[B,1,M]``, ids ``[B,1,M,num_pages]``."""
+    order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True)
+    ids = torch.gather(table[:, None, :].expand_as(order), -1, order)
+    counts = selected.sum(-1, dtype=torch.int32)
+    # only the first ``counts`` entries are ever read, so the tail can stay uninitialised
+    out = torch.zeros(*ids.shape[:2], num_pages, dtype=torch.int32)
+    out[..., : ids.shape[-1]] = ids
+    return counts[:, None], out[:, None]

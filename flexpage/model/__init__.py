@@ -1,0 +1,1 @@
+"""Model-side components: model runners, samplers."""

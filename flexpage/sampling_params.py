@@ -1,0 +1,207 @@
+"""Per-request sampling parameters, in the shape vLLM users know.
+
+``SamplingParams`` is a plain dataclass whose ``__post_init__`` validates every
+field (raising ``ValueError`` naming the field and the offending value) and
+normalises the convenience forms:
+
+* ``stop``: ``None`` -> ``[]``, ``"x"`` -> ``["x"]``, tuples -> lists;
+* ``stop_token_ids``: ``None`` -> ``[]``;
+* ``top_k``: ``0`` and ``-1`` both mean "disabled" (kept as given).
+
+``temperature == 0`` means greedy decoding (see :attr:`SamplingParams.is_greedy`).
+Validation happens at construction only; build a new object (e.g. with
+``dataclasses.replace``) rather than mutating fields afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["SamplingParams", "MAX_LOGPROBS"]
+
+#: Largest ``logprobs`` value accepted (same cap as the OpenAI API).
+MAX_LOGPROBS = 20
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _require_int(name: str, value: Any) -> int:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def _require_float(name: str, value: Any) -> float:
+    if not _is_real(value):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return value
+
+
+def _require_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return value
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters for one request (vLLM-compatible names and defaults).
+
+    Attributes:
+        n: number of completions to generate for the prompt (>= 1).
+        temperature: softmax temperature (>= 0); 0 means greedy.
+        top_p: nucleus sampling mass, in (0, 1]; 1 disables it.
+        top_k: keep the k most likely tokens; 0 or -1 disables it.
+        min_p: drop tokens whose probability is below ``min_p * max_prob``; in [0, 1].
+        presence_penalty: OpenAI presence penalty on generated tokens, in [-2, 2].
+        frequency_penalty: OpenAI frequency penalty on generated tokens, in [-2, 2].
+        repetition_penalty: HF/CTRL repetition penalty on prompt + generated tokens (> 0).
+        seed: per-request RNG seed; same seed => same tokens regardless of batching.
+        stop: stop strings (normalised to ``list[str]``).
+        stop_token_ids: extra token ids that stop generation (normalised to ``list[int]``).
+        max_tokens: maximum number of generated tokens (>= 1), or ``None`` for no limit.
+        min_tokens: EOS / stop_token_ids are masked until this many tokens are generated.
+        ignore_eos: keep generating after EOS (EOS is then not masked by ``min_tokens``).
+        logprobs: number of top logprobs to return per generated token, in [0, 20];
+            0 returns only the sampled token's logprob; ``None`` returns nothing.
+        skip_special_tokens: drop special tokens when detokenising.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.n = _require_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n!r}")
+
+        self.temperature = _require_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+
+        self.top_p = _require_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+        self.top_k = _require_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k!r}")
+
+        self.min_p = _require_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _require_float(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+            setattr(self, name, value)
+
+        self.repetition_penalty = _require_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+
+        if self.seed is not None:
+            self.seed = _require_int("seed", self.seed)
+
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+
+        if self.max_tokens is not None:
+            self.max_tokens = _require_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens!r}")
+
+        self.min_tokens = _require_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens!r}), got {self.min_tokens!r}"
+            )
+
+        self.ignore_eos = _require_bool("ignore_eos", self.ignore_eos)
+        self.skip_special_tokens = _require_bool("skip_special_tokens", self.skip_special_tokens)
+
+        if self.logprobs is not None:
+            self.logprobs = _require_int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"
+                )
+
+    @staticmethod
+    def _normalise_stop(stop: Any) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            items = [stop]
+        elif isinstance(stop, (list, tuple)):
+            items = list(stop)
+        else:
+            raise ValueError(
+                f"stop must be a str, a list of str or None, got {stop!r} ({type(stop).__name__})"
+            )
+        for s in items:
+            if not isinstance(s, str):
+                raise ValueError(
+                    f"stop must contain only str, got {s!r} ({type(s).__name__}) in {stop!r}"
+                )
+            if s == "":
+                raise ValueError(f"stop must not contain empty strings, got {stop!r}")
+        return items
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: Any) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(
+                f"stop_token_ids must be a list of int or None, got {ids!r} ({type(ids).__name__})"
+            )
+        out: list[int] = []
+        for t in ids:
+            if not _is_int(t):
+                raise ValueError(
+                    f"stop_token_ids must contain only int, got {t!r} ({type(t).__name__}) in {ids!r}"
+                )
+            if t < 0:
+                raise ValueError(f"stop_token_ids must be >= 0, got {t!r} in {ids!r}")
+            out.append(int(t))
+        return out
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when decoding is greedy (``temperature == 0``)."""
+        return self.temperature == 0.0
+
+    @classmethod
+    def greedy(cls, **kwargs: Any) -> SamplingParams:
+        """``SamplingParams(temperature=0, **kwargs)``."""
+        return cls(temperature=0.0, **kwargs)
