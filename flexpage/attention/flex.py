@@ -52,8 +52,8 @@ def _group_attention(
         valid = owned & (kv_pos < seq_len[b])
         # recipes may index tables by position: keep positions in range even where masked
         last = (seq_len[b] - 1).clamp(min=0)
-        q_pos = (q_start[b] + q_idx).clamp(max=last)
-        return q_pos, kv_pos.clamp(min=0, max=last), valid
+        q_pos = torch.minimum(q_start[b] + q_idx, last)
+        return q_pos, torch.minimum(kv_pos.clamp(min=0), last), valid
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         q_pos, kv_pos, valid = logical(b, q_idx, kv_idx)

@@ -1,0 +1,56 @@
+"""Engine configuration as one self-checking dataclass."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
+
+
+def parse_size(text: str | int) -> int:
+    """``"2GiB"``, ``"512MB"``, ``"1.5G"`` or a plain byte count -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b?)\s*", str(text), flags=re.IGNORECASE)
+    if not match:
+        raise ValueError(f"kv_cache_memory: got {text!r}, expected a size such as '2GiB', '512MB' or a byte count")
+    number, unit, _ = match.groups()
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[unit.lower()]
+    return int(float(number) * scale)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """What the engine is built with. ``None`` fields are derived from the model and machine."""
+
+    model: str | None = None  # folder, .gguf, or None for SmolLM2-135M-Instruct
+    dtype: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None  # overrides kv_cache_memory when set
+    kv_cache_memory: int | str = DEFAULT_KV_CACHE_MEMORY
+    swap_space: int | str = 0  # host-memory tier for preemption by swapping (bytes)
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    compile: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: got {value!r}, expected a positive int")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 2):
+            raise ValueError(f"num_blocks: got {self.num_blocks!r}, expected an int >= 2 (block 0 is reserved)")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len: got {self.max_model_len!r}, expected a positive int")
+        if parse_size(self.kv_cache_memory) <= 0:
+            raise ValueError(f"kv_cache_memory: got {self.kv_cache_memory!r}, expected a positive size")
+        if parse_size(self.swap_space) < 0:
+            raise ValueError(f"swap_space: got {self.swap_space!r}, expected a size >= 0")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode: got {self.preemption_mode!r}, expected 'recompute' or 'swap'")

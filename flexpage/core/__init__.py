@@ -1,0 +1,41 @@
+"""Pure-Python bookkeeping for the serving engine: sequences, KV blocks, scheduling.
+
+Nothing in this package imports torch. It only decides *which* token positions
+are computed each step and *where* their KV lives (block ids); the model runner
+turns those decisions into tensor work. Keeping it plain Python makes the
+policies (prefix caching, copy-on-write, swapping, preemption, chunked prefill)
+cheap to test exhaustively.
+
+Layers, bottom up:
+
+* :mod:`flexpage.core.sequence`: one request's token ids and progress counters.
+* :mod:`flexpage.core.block_pool`: physical blocks, ref counts, the prefix-cache
+  hash index and LRU eviction.
+* :mod:`flexpage.core.block_manager`: per-sequence block tables on top of the
+  pool (allocate, append, fork/copy-on-write, swap to host, free).
+* :mod:`flexpage.core.scheduler`: iteration-level continuous batching.
+"""
+
+from flexpage.core.block_manager import BlockManager, BlockStats
+from flexpage.core.block_pool import NULL_BLOCK_ID, BlockPool, NoFreeBlocksError
+from flexpage.core.scheduler import (
+    ScheduledSequence,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+from flexpage.core.sequence import Sequence, SequenceStatus
+
+__all__ = [
+    "NULL_BLOCK_ID",
+    "BlockManager",
+    "BlockPool",
+    "BlockStats",
+    "NoFreeBlocksError",
+    "ScheduledSequence",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "Sequence",
+    "SequenceStatus",
+]

@@ -1,0 +1,169 @@
+"""Physical KV blocks: ref counts, the prefix-cache index and LRU eviction.
+
+Every device block is in exactly one of three states:
+
+* **free**: ref count 0, no hash. Holds nothing worth keeping.
+* **cached**: ref count 0 but still indexed by its content hash. Its KV is
+  valid and a later request with the same prefix can revive it, but it may be
+  evicted (hash dropped) whenever a fresh block is needed and no free block is
+  left. Cached blocks are evicted least-recently-released first.
+* **used**: ref count > 0 (referenced by that many block-table entries).
+
+Block 0 is the NULL block: never handed out, never counted. Padding entries in
+block tables point at it, so a stray read through padding hits harmless memory.
+
+Allocation prefers free blocks and only then evicts cached ones, so a warm
+prefix cache survives for as long as the pool has slack.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Sequence as SequenceABC
+
+__all__ = ["NULL_BLOCK_ID", "BlockHash", "BlockPool", "NoFreeBlocksError", "hash_block_tokens"]
+
+NULL_BLOCK_ID = 0
+
+#: Content hash of a full block, chained over its parent's hash (sha256 digest).
+BlockHash = bytes
+
+_ROOT_HASH = b"flexpage-prefix-root"
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: SequenceABC[int]) -> BlockHash:
+    """Hash of a full block's tokens chained over the previous block's hash.
+
+    Chaining means equal hashes imply equal *whole prefixes*, which is what KV
+    reuse needs (a token's KV depends on every token before it). sha256 rather
+    than ``hash()`` so that a crafted prompt cannot collide with another
+    request's prefix and read its KV.
+    """
+    h = hashlib.sha256(_ROOT_HASH if parent is None else parent)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised when an allocation is attempted without checking capacity first."""
+
+
+class BlockPool:
+    """Ref-counted device blocks with a content-hash index (prefix cache)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the reserved null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._ref: list[int] = [0] * num_blocks
+        self._hash: list[BlockHash | None] = [None] * num_blocks
+        self._free: deque[int] = deque(range(1, num_blocks))
+        # ref-0 hashed blocks, least recently released first.
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        self._by_hash: dict[BlockHash, int] = {}
+        self._num_used = 0
+        self.num_evictions = 0
+
+    # -- counters ------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    @property
+    def num_used(self) -> int:
+        return self._num_used
+
+    @property
+    def num_free_or_cached(self) -> int:
+        """Blocks an allocation can obtain right now (evicting if needed)."""
+        return len(self._free) + len(self._cached)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref[block_id]
+
+    def block_hash(self, block_id: int) -> BlockHash | None:
+        return self._hash[block_id]
+
+    def cached_block_ids(self) -> list[int]:
+        """Ref-0 cached blocks in eviction order (first is evicted first)."""
+        return list(self._cached)
+
+    # -- transitions ---------------------------------------------------------
+    def allocate(self) -> int:
+        """A fresh block with ref count 1: a free one, else evict the LRU cached one."""
+        if self._free:
+            block_id = self._free.popleft()
+        elif self._cached:
+            block_id, _ = self._cached.popitem(last=False)
+            del self._by_hash[self._hash[block_id]]  # type: ignore[arg-type]
+            self._hash[block_id] = None
+            self.num_evictions += 1
+        else:
+            raise NoFreeBlocksError("no free or cached device blocks left")
+        self._ref[block_id] = 1
+        self._num_used += 1
+        return block_id
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        """The block holding this content hash (used or cached), if any."""
+        return self._by_hash.get(block_hash)
+
+    def incref(self, block_id: int) -> None:
+        """Add a reference; revives a cached block (it can no longer be evicted)."""
+        if block_id == NULL_BLOCK_ID:
+            raise ValueError("the null block cannot be referenced")
+        if self._ref[block_id] == 0:
+            if block_id not in self._cached:
+                raise ValueError(f"block {block_id} is free; only used or cached blocks can be shared")
+            del self._cached[block_id]
+            self._num_used += 1
+        self._ref[block_id] += 1
+
+    def decref(self, block_id: int) -> None:
+        """Drop a reference. At zero the block becomes cached (if hashed) or free."""
+        ref = self._ref[block_id]
+        if ref <= 0 or block_id == NULL_BLOCK_ID:
+            raise ValueError(f"block {block_id} is not in use (ref_count={ref})")
+        self._ref[block_id] = ref - 1
+        if ref == 1:
+            self._num_used -= 1
+            if self._hash[block_id] is not None:
+                self._cached[block_id] = None  # most recently released: evicted last
+            else:
+                self._free.append(block_id)
+
+    def set_hash(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Index a used, fully computed block by its content hash.
+
+        Returns False (and leaves the block unindexed) when another block
+        already holds this content: two requests computed the same prefix
+        concurrently. The duplicate simply returns to the free list when
+        released, which keeps the index a one-to-one map.
+        """
+        if self._ref[block_id] <= 0:
+            raise ValueError(f"block {block_id} must be in use to be hashed")
+        current = self._hash[block_id]
+        if current is not None:
+            return current == block_hash
+        if block_hash in self._by_hash:
+            return False
+        self._hash[block_id] = block_hash
+        self._by_hash[block_hash] = block_id
+        return True
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached (ref-0) block; returns how many were dropped."""
+        dropped = 0
+        while self._cached:
+            block_id, _ = self._cached.popitem(last=False)
+            del self._by_hash[self._hash[block_id]]  # type: ignore[arg-type]
+            self._hash[block_id] = None
+            self._free.append(block_id)
+            dropped += 1
+        return dropped

@@ -1,0 +1,318 @@
+"""Iteration-level continuous batching over a :class:`BlockManager`.
+
+Each :meth:`Scheduler.schedule` call plans one forward pass under a token
+budget. Order of service, so that in-flight work never starves:
+
+1. running sequences that are decoding (1 token each), oldest admission first;
+   when a block cannot be found for one, the most recently admitted running
+   sequence is preempted (recompute: drop its KV and requeue it; swap: copy its
+   KV to host memory) until it fits;
+2. running sequences whose prefill is only partly done (chunked prefill);
+3. swapped-out sequences, back in arrival order;
+4. waiting sequences, in arrival order, while budget, ``max_num_seqs`` and free
+   blocks above the watermark allow.
+
+Steps 3-4 are skipped in a step that preempted anything (the pool is under
+pressure), and step 4 while anything is still swapped out (it goes first).
+A waiting sequence is given blocks for *all* its tokens at admission, so a
+prefill that is split into chunks never stalls half way for lack of blocks.
+
+The engine loop is: ``out = schedule()``; apply ``out``'s block copies and run
+the model over each scheduled slice; ``mark_computed(out)``; append a sampled
+token to every sequence whose ``ScheduledSequence.sample`` is True; call
+``finish`` on those that stopped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from flexpage.core.block_manager import BlockManager
+from flexpage.core.sequence import Sequence, SequenceStatus
+
+__all__ = ["ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Batching limits and policies; ``__post_init__`` rejects bad values by name."""
+
+    max_num_seqs: int = 256  # sequences admitted (running) at once
+    max_num_batched_tokens: int = 2048  # tokens computed per step, across sequences
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"  # or "swap" (needs host blocks)
+    watermark: float = 0.01  # fraction of usable blocks kept free at admission
+    max_model_len: int = 2048  # longest prompt (+ output) a sequence may have
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if isinstance(self.watermark, bool) or not isinstance(self.watermark, (int, float)) or not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be a float in [0, 1), got {self.watermark!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when enable_chunked_prefill is False, or long prompts never fit a step"
+            )
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    """One sequence's slice of this step: positions ``start .. start + num_new_tokens - 1``."""
+
+    seq: Sequence
+    num_new_tokens: int
+    #: ``seq.num_computed_tokens`` when scheduled: the first position computed this step.
+    start: int
+    #: True when this slice reaches the end of ``seq.token_ids``: the runner must
+    #: sample a token from the last position's logits (decodes and final prefill chunks).
+    sample: bool
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start : self.start + self.num_new_tokens]
+
+    @property
+    def is_prefill(self) -> bool:
+        """Whether any prompt position (or recomputed history) is in this slice."""
+        return not (self.num_new_tokens == 1 and self.sample and self.start >= self.seq.num_prompt_tokens)
+
+    @property
+    def is_prefill_chunk_final(self) -> bool:
+        """Alias of :attr:`sample`."""
+        return self.sample
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Everything the runner needs for one step. Apply copies in field order:
+    ``blocks_to_swap_out``, ``blocks_to_swap_in``, ``blocks_to_copy``; then run."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    preempted: list[Sequence] = field(default_factory=list)
+    #: Sequences the scheduler itself finished (FINISHED_LENGTH): a lone sequence
+    #: that outgrew the whole pool. The engine should emit their final output.
+    finished: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
+
+
+class Scheduler:
+    """Owns the waiting / running / swapped queues and the preemption policy."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        if config.preemption_mode == "swap" and block_manager.num_host_blocks == 0:
+            raise ValueError("preemption_mode='swap' needs a BlockManager with num_host_blocks > 0, got 0")
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order; the last is preempted first
+        self.swapped: deque[Sequence] = deque()
+        self._seqs: dict[int, Sequence] = {}
+        self.num_preemptions = 0
+        self.watermark_blocks = int(config.watermark * block_manager.num_usable_blocks)
+
+    # -- queue management ------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; rejects prompts that could never be scheduled."""
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"seq_id {seq.seq_id} is already scheduled")
+        if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.host_block_table:
+            raise ValueError(f"sequence {seq.seq_id} must be WAITING and hold no blocks, got {seq!r}")
+        if seq.num_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"prompt of sequence {seq.seq_id} has {seq.num_tokens} tokens, more than "
+                f"max_model_len={self.config.max_model_len}"
+            )
+        bm = self.block_manager
+        need = seq.num_blocks_needed(bm.block_size)
+        if need > bm.num_usable_blocks:
+            raise ValueError(
+                f"prompt of sequence {seq.seq_id} ({seq.num_tokens} tokens) needs {need} blocks of "
+                f"block_size={bm.block_size}, but the pool has num_blocks={bm.num_blocks} "
+                f"({bm.num_usable_blocks} usable; block 0 is reserved)"
+            )
+        self._seqs[seq.seq_id] = seq
+        self._enqueue(self.waiting, seq)
+
+    @staticmethod
+    def _enqueue(queue: deque[Sequence], seq: Sequence) -> None:
+        """Insert before the first queued sequence that arrived later (keeps arrival order)."""
+        for i, other in enumerate(queue):
+            if other.arrival_index > seq.arrival_index:
+                queue.insert(i, seq)
+                return
+        queue.append(seq)
+
+    def get(self, seq_id: int) -> Sequence | None:
+        return self._seqs.get(seq_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Retire a sequence and free all of its blocks now."""
+        if not status.is_finished:
+            raise ValueError(f"status must be a FINISHED_* status, got {status}")
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+        self._seqs.pop(seq.seq_id, None)
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Cancel a sequence wherever it is; returns it, or None if unknown/finished."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return seq
+
+    def fork(self, parent: Sequence, child_seq_id: int) -> Sequence:
+        """Parallel sampling: a running child sharing ``parent``'s blocks (copy-on-write)."""
+        if parent.status is not SequenceStatus.RUNNING:
+            raise ValueError(f"can only fork a RUNNING sequence, got {parent!r}")
+        if child_seq_id in self._seqs:
+            raise ValueError(f"seq_id {child_seq_id} is already scheduled")
+        child = parent.fork(child_seq_id)
+        self.block_manager.fork(parent, child)
+        self.running.insert(self.running.index(parent) + 1, child)
+        self._seqs[child_seq_id] = child
+        return child
+
+    def mark_computed(self, output: SchedulerOutput) -> None:
+        """After the forward pass: advance every scheduled, still-live sequence."""
+        for item in output.scheduled:
+            if item.seq.status is SequenceStatus.RUNNING:
+                self.block_manager.mark_computed(item.seq, item.num_new_tokens)
+
+    # -- the step ------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg, bm = self.config, self.block_manager
+        out = SchedulerOutput()
+        budget = cfg.max_num_batched_tokens
+        scheduled: set[int] = set()
+
+        def take(seq: Sequence, n: int) -> None:
+            nonlocal budget
+            out.blocks_to_copy.extend(bm.append_slots(seq, n))
+            start = seq.num_computed_tokens
+            out.scheduled.append(ScheduledSequence(seq, n, start, start + n == seq.num_tokens))
+            scheduled.add(id(seq))
+            budget -= n
+
+        def chunk(seq: Sequence) -> int:
+            remaining = seq.num_uncomputed_tokens
+            if cfg.enable_chunked_prefill:
+                return min(remaining, budget)
+            return remaining if remaining <= budget else 0
+
+        # 1. decodes, oldest admission first; preempt from the newest end.
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+                continue
+            if budget == 0 or len(out.scheduled) >= cfg.max_num_seqs:
+                break
+            if self._make_room(seq, out):
+                take(seq, 1)
+
+        # 2. partially prefilled sequences (their blocks were reserved at admission).
+        for seq in list(self.running):
+            if id(seq) in scheduled or seq.num_uncomputed_tokens <= 1:
+                continue
+            if budget == 0 or len(out.scheduled) >= cfg.max_num_seqs:
+                break
+            n = chunk(seq)
+            if n and bm.can_append_slots(seq, n):
+                take(seq, n)
+
+        if out.preempted:
+            return out
+
+        # 3. swapped sequences come back before anything new is admitted.
+        while self.swapped and len(self.running) < cfg.max_num_seqs:
+            seq = self.swapped[0]
+            if not bm.can_swap_in(seq, self._watermark()):
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in.extend(bm.swap_in(seq))
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = 1 if seq.num_uncomputed_tokens == 1 else chunk(seq)
+            if n and n <= budget and len(out.scheduled) < cfg.max_num_seqs and bm.can_append_slots(seq, n):
+                take(seq, n)
+
+        # 4. admit waiting sequences in arrival order (head-of-line: never skip one).
+        while self.waiting and not self.swapped and budget > 0:
+            if len(self.running) >= cfg.max_num_seqs or len(out.scheduled) >= cfg.max_num_seqs:
+                break
+            seq = self.waiting[0]
+            if not bm.can_allocate(seq, self._watermark()):
+                break
+            remaining = seq.num_tokens - bm.num_cached_prefix_tokens(seq)
+            if not cfg.enable_chunked_prefill and remaining > budget:
+                break
+            self.waiting.popleft()
+            bm.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            take(seq, chunk(seq))
+        return out
+
+    def _watermark(self) -> int:
+        # With nothing running, the watermark could only block progress forever.
+        return self.watermark_blocks if self.running else 0
+
+    def _make_room(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Preempt newest-first until ``seq`` can take one more token; False if ``seq`` lost."""
+        bm = self.block_manager
+        while not bm.can_append_slots(seq, 1):
+            victim = self.running[-1]
+            if victim is seq and len(self.running) == 1:
+                # Alone and still out of blocks: it holds the whole pool and can never grow.
+                self.finish(seq, SequenceStatus.FINISHED_LENGTH)
+                out.finished.append(seq)
+                return False
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        bm = self.block_manager
+        if self.config.preemption_mode == "swap" and bm.can_swap_out(seq):
+            out.blocks_to_swap_out.extend(bm.swap_out(seq))
+            seq.status = SequenceStatus.SWAPPED
+            self._enqueue(self.swapped, seq)
+        else:
+            bm.free(seq)  # resets num_computed_tokens; token_ids (with outputs) are kept
+            seq.status = SequenceStatus.WAITING
+            self._enqueue(self.waiting, seq)

@@ -1,0 +1,333 @@
+"""The engine: requests in, tokens out, one scheduler step at a time.
+
+``LLMEngine.add_request`` validates and queues; ``step`` runs one iteration (schedule ->
+apply block copies/swaps -> forward -> sample -> append, stop checks, detokenise) and
+returns the requests that progressed; ``abort`` frees a request's blocks at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+
+from flexpage.config import EngineConfig, parse_size
+from flexpage.core.block_manager import BlockManager
+from flexpage.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from flexpage.core.sequence import Sequence, SequenceStatus
+from flexpage.model.detokenizer import IncrementalDetokenizer
+from flexpage.model.loader import default_dtype, load_hf_model, load_tokenizer, parse_dtype, resolve_model_path
+from flexpage.model.runner import ModelRunner, StepInputs
+from flexpage.model.sampler import TokenHistory, make_generator, sample
+from flexpage.outputs import CompletionOutput, Logprob, RequestOutput
+from flexpage.sampling_params import SamplingParams
+
+PromptInput = Union[str, list[int], dict[str, Any]]
+
+
+@dataclass
+class Request:
+    """Engine-side state of one request: its samples' sequences, generators and outputs."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    seqs: list[Sequence] = field(default_factory=list)
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    detokenizers: list[IncrementalDetokenizer] = field(default_factory=list)
+    generators: list[torch.Generator | None] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return len(self.outputs) == self.params.n and all(o.finished for o in self.outputs)
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, list(self.outputs),
+                             self.finished, self.num_cached_tokens)
+
+
+class LLMEngine:
+    """One model, one KV pool, one scheduler. Not thread-safe: drive it from one loop."""
+
+    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        self.config = config = config or EngineConfig(**kwargs)
+        path = resolve_model_path(config.model)
+        dtype = default_dtype() if config.dtype == "auto" else parse_dtype(config.dtype)
+        self.model_path = path
+        self.dtype = dtype
+        self.tokenizer = load_tokenizer(path)
+        model = load_hf_model(path, dtype)
+        text_config = model.config.get_text_config()
+        self.max_model_len = config.max_model_len or min(getattr(text_config, "max_position_embeddings", 4096), 8192)
+        self.vocab_size = text_config.vocab_size
+        self.eos_token_ids = _eos_ids(model, self.tokenizer)
+        bytes_per_block = _kv_bytes_per_token(text_config, dtype) * config.block_size
+        num_blocks = config.num_blocks or max(2, parse_size(config.kv_cache_memory) // bytes_per_block)
+        compile = config.compile and os.environ.get("FLEXPAGE_COMPILE", "1") != "0"
+        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size, compile=compile,
+                                  num_host_blocks=parse_size(config.swap_space) // bytes_per_block)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+            num_host_blocks=self.runner.num_host_blocks,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=max(config.max_num_batched_tokens,
+                                           0 if config.enable_chunked_prefill else self.max_model_len),
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                preemption_mode=config.preemption_mode,
+                max_model_len=self.max_model_len,
+            ),
+            self.block_manager,
+        )
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self._generator = torch.Generator().manual_seed(config.seed)
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0}
+
+    # -- requests ------------------------------------------------------------------
+    def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue one request; raises ValueError before anything is scheduled."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: got {type(params).__name__}, expected SamplingParams")
+        text, token_ids = self._tokenize(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
+                "(the prompt plus at least one generated token must fit)"
+            )
+        request_id = request_id if request_id is not None else str(next(self._request_ids))
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        request = Request(request_id, text, token_ids, params, time.monotonic())
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
+        seq = Sequence(next(self._seq_ids), token_ids, max_tokens=max_tokens, request=request)
+        self.scheduler.add(seq)
+        self._attach_sample(request, seq)
+        self.requests[request_id] = request
+        self.counters["prompt_tokens"] += len(token_ids)
+        return request_id
+
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            raise ValueError(f"prompt: dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: got an empty string")
+            return prompt, self.tokenizer(prompt, add_special_tokens=True).input_ids
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(prompt)
+        raise ValueError(f"prompt: got {type(prompt).__name__}, expected str, list of token ids or dict")
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise ValueError(f"prompt_token_ids: got {ids!r}, expected a non-empty list of ints")
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt_token_ids: got {t!r}, expected ints in [0, {self.vocab_size})")
+        return list(ids)
+
+    def _attach_sample(self, request: Request, seq: Sequence) -> None:
+        index = len(request.outputs)
+        request.seqs.append(seq)
+        request.outputs.append(CompletionOutput(index, logprobs=[] if request.params.logprobs is not None else None))
+        request.detokenizers.append(IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                           request.params.skip_special_tokens))
+        seed = request.params.seed
+        request.generators.append(make_generator(seed + index) if seed is not None else None)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free all its blocks; False if it is unknown or done."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq, out in zip(request.seqs, request.outputs):
+            if not out.finished:
+                self.scheduler.abort(seq.seq_id)
+                out.finish_reason = "abort"
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration; returns the requests that produced tokens or finished."""
+        sched = self.scheduler.schedule()
+        touched: dict[str, Request] = {}
+        for seq in sched.finished:  # the scheduler gave up on a sequence that outgrew the pool
+            self._finish(seq, SequenceStatus.FINISHED_LENGTH, touched, already_retired=True)
+        self.runner.apply_block_moves(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy)
+        if sched.scheduled:
+            self._run(sched, touched)
+        return [r.to_output() for r in touched.values()]
+
+    def _run(self, sched: SchedulerOutput, touched: dict[str, Request]) -> None:
+        inputs = StepInputs([], [], [], [], [])
+        sampled: list[Sequence] = []
+        for item in sched.scheduled:
+            seq = item.seq
+            inputs.token_ids.extend(item.token_ids)
+            inputs.block_tables.append(seq.block_table)
+            inputs.seq_lens.append(item.start + item.num_new_tokens)
+            inputs.query_lens.append(item.num_new_tokens)
+            if item.sample:
+                inputs.sample_rows.append(len(inputs.token_ids) - 1)
+                sampled.append(seq)
+        logits = self.runner.execute(inputs) if sampled else None
+        self.scheduler.mark_computed(sched)
+        if logits is None:
+            return
+        rows, seqs = self._expand_parallel_samples(sampled)
+        logits = logits[rows]
+        params = [s.request.params for s in seqs]
+        histories = [TokenHistory(s.prompt_token_ids, s.output_token_ids) for s in seqs]
+        generators = [self._generator_of(s) for s in seqs]
+        result = sample(logits, params, histories, generators, self.eos_token_ids[0] if self.eos_token_ids else None,
+                        generator=self._generator)
+        for i, (seq, token) in enumerate(zip(seqs, result.token_ids.tolist())):
+            self._append(seq, token, result.logprobs[i] if result.logprobs else None, touched)
+
+    def _expand_parallel_samples(self, sampled: list[Sequence]) -> tuple[list[int], list[Sequence]]:
+        """n > 1: after the prompt's prefill, fork n-1 children sharing its blocks (copy-on-write)."""
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        for row, seq in enumerate(sampled):
+            request: Request = seq.request
+            rows.append(row)
+            seqs.append(seq)
+            if seq.num_output_tokens == 0 and len(request.seqs) < request.params.n and seq is request.seqs[0]:
+                request.num_cached_tokens = seq.num_cached_tokens
+                for _ in range(request.params.n - len(request.seqs)):
+                    child = self.scheduler.fork(seq, next(self._seq_ids))
+                    self._attach_sample(request, child)
+                    rows.append(row)
+                    seqs.append(child)
+        return rows, seqs
+
+    def _generator_of(self, seq: Sequence) -> torch.Generator | None:
+        request: Request = seq.request
+        return request.generators[request.seqs.index(seq)]
+
+    def _append(self, seq: Sequence, token: int, logprobs: Any, touched: dict[str, Request]) -> None:
+        request: Request = seq.request
+        if request.request_id not in self.requests:
+            return
+        index = request.seqs.index(seq)
+        out = request.outputs[index]
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+            request.num_cached_tokens = max(request.num_cached_tokens, seq.num_cached_tokens)
+        seq.append_token(token)
+        self.counters["generation_tokens"] += 1
+        out.token_ids.append(token)
+        if logprobs is not None and out.logprobs is not None:
+            out.logprobs.append(self._logprob_entry(logprobs))
+        touched[request.request_id] = request
+        params = request.params
+        stop_token = self._stop_token(token, params, seq.num_output_tokens)
+        if stop_token is None or not params.skip_special_tokens:
+            out.text = request.detokenizers[index].append(token)
+        else:
+            request.detokenizers[index].append(token)
+        stop_string = _find_stop(out.text, params.stop)
+        if stop_token is not None:
+            out.stop_reason = None if token in self.eos_token_ids else token
+            self._finish(seq, SequenceStatus.FINISHED_STOPPED, touched)
+        elif stop_string is not None:
+            out.text = out.text[: out.text.index(stop_string)]
+            out.stop_reason = stop_string
+            self._finish(seq, SequenceStatus.FINISHED_STOPPED, touched)
+        elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, SequenceStatus.FINISHED_LENGTH, touched)
+
+    def _stop_token(self, token: int, params: SamplingParams, num_output: int) -> int | None:
+        if num_output <= params.min_tokens and params.min_tokens:
+            return None
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            return token
+        return None
+
+    def _logprob_entry(self, lp: Any) -> dict[int, Logprob]:
+        entry = {tid: Logprob(value, rank + 1, self.tokenizer.decode([tid])) for rank, (tid, value) in enumerate(lp.top)}
+        entry[lp.token_id] = Logprob(lp.logprob, lp.rank, self.tokenizer.decode([lp.token_id]))
+        return entry
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, touched: dict[str, Request],
+                already_retired: bool = False) -> None:
+        request: Request = seq.request
+        if not already_retired:
+            self.scheduler.finish(seq, status)
+        request.outputs[request.seqs.index(seq)].finish_reason = status.finish_reason
+        touched[request.request_id] = request
+        if request.finished:
+            self.requests.pop(request.request_id, None)
+            self.counters["finished_requests"] += 1
+
+    # -- observability -----------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """Counters the CLI summary and the server's /metrics export."""
+        blocks = self.block_manager.stats()
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting) + len(self.scheduler.swapped),
+            "kv_blocks_total": blocks.total - 1,
+            "kv_blocks_used": blocks.used,
+            "kv_blocks_free": blocks.free,
+            "kv_blocks_cached": blocks.cached,
+            "kv_utilization": self.kv_utilization(),
+            "prefix_cache_queries": blocks.prefix_cache_queries,
+            "prefix_cache_hits": blocks.prefix_cache_hits,
+            "prefix_cache_hit_rate": blocks.prefix_cache_hits / max(1, blocks.prefix_cache_queries),
+            "preemptions": self.scheduler.num_preemptions,
+            "swapped_blocks": blocks.host_used,
+            "kv_capacity_tokens": (blocks.total - 1) * self.config.block_size,
+            **self.counters,
+        }
+
+    def kv_utilization(self) -> float:
+        """Token states stored / token slots allocated, over the blocks live sequences hold."""
+        filled: dict[int, int] = {}
+        size = self.config.block_size
+        for seq in self.scheduler.running:
+            for i, block in enumerate(seq.block_table):
+                stored = min(size, max(0, seq.num_computed_tokens - i * size))
+                filled[block] = max(filled.get(block, 0), stored)
+        return sum(filled.values()) / (len(filled) * size) if filled else 1.0
+
+
+def _find_stop(text: str, stops: list[str]) -> str | None:
+    hits = [(text.index(s), s) for s in stops if s in text]
+    return min(hits)[1] if hits else None
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return []
+    return [ids] if isinstance(ids, int) else list(ids)
+
+
+def _kv_bytes_per_token(text_config: Any, dtype: torch.dtype) -> int:
+    heads = text_config.num_attention_heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    return 2 * text_config.num_hidden_layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()

@@ -1,0 +1,91 @@
+"""The offline API in the shape vLLM users know: ``LLM(...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence as Seq
+
+from flexpage.config import EngineConfig
+from flexpage.engine import LLMEngine, PromptInput
+from flexpage.outputs import RequestOutput
+from flexpage.sampling_params import SamplingParams
+
+Messages = list[dict[str, str]]
+
+
+class LLM:
+    """``LLM(model=None)`` loads SmolLM2-135M-Instruct; every EngineConfig field is a keyword."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Seq[PromptInput],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        on_progress: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in prompt order.
+
+        Every prompt and parameter set is validated before any is queued, so a bad one
+        raises ``ValueError`` and nothing runs.
+        """
+        prompt_list = _as_list(prompts)
+        params = _params_list(sampling_params, len(prompt_list))
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params: got {type(p).__name__}, expected SamplingParams")
+        ids = []
+        try:
+            for prompt, p in zip(prompt_list, params):
+                ids.append(self.engine.add_request(prompt, p))
+        except ValueError:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
+        results: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    if on_progress is not None:
+                        on_progress(out)
+        return [results[i] for i in ids]
+
+    def chat(
+        self,
+        messages: Messages | Seq[Messages],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            {"prompt_token_ids": list(self.engine.tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False))}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params)
+
+
+def _as_list(prompts: Any) -> list[PromptInput]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    return list(prompts)
+
+
+def _params_list(params: Any, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"sampling_params: got {len(params)} entries for {count} prompts")
+    return params

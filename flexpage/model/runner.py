@@ -1,0 +1,174 @@
+"""The model runner: one forward pass over a flat token batch with paged KV.
+
+HF transformers' own modules compute everything but attention (embeddings, RoPE, MLPs,
+norms: whatever the architecture needs); their attention call lands in
+:func:`paged_attention_forward` (registered as ``attn_implementation="flexpage_paged"``),
+which writes the new K/V into the pool and runs the paged FlexAttention program. The
+per-step state travels as an explicit keyword argument (``flexpage_step``) through HF's
+``**kwargs`` plumbing -- no globals, so a sharded runner per process needs no rewrite.
+
+The batch is flat: ``input_ids [1, T]`` holds every scheduled token of every sequence,
+``position_ids [1, T]`` their logical positions; only the rows that sample a token go
+through the LM head (``logits_to_keep``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from flexpage.attention.flex import FlexRunner
+from flexpage.attention.hf_backend import recipe_for
+from flexpage.attention.kv_pool import KVPool
+from flexpage.attention.paging import PagedBatch, build_paged_batch, next_power_of_two
+from flexpage.attention.recipe import Recipe
+
+IMPLEMENTATION_NAME = "flexpage_paged"
+
+
+@dataclass
+class StepInputs:
+    """One step, in the runner's terms (built by the engine from a SchedulerOutput)."""
+
+    token_ids: list[int]  # flat, sequence after sequence
+    block_tables: list[list[int]]
+    seq_lens: list[int]  # tokens in the pool per sequence after this step
+    query_lens: list[int]  # new tokens per sequence this step
+    sample_rows: list[int]  # flat index of each token whose logits are wanted
+
+
+@dataclass
+class PagedStep:
+    """The per-step context every attention layer reads (passed as ``flexpage_step``)."""
+
+    pool: KVPool
+    block_tables: Tensor
+    seq_lens: Tensor
+    query_lens: Tensor
+    compile: bool
+    batches: dict[str, PagedBatch] = field(default_factory=dict)
+    runners: dict[tuple[str, float | None], FlexRunner] = field(default_factory=dict)
+
+    def batch_for(self, recipe: Recipe) -> PagedBatch:
+        if recipe.name not in self.batches:
+            self.batches[recipe.name] = build_paged_batch(
+                self.block_tables, self.seq_lens, self.query_lens, page_size=self.pool.block_size,
+                num_pages=self.pool.num_blocks, recipe=recipe,
+            )
+        return self.batches[recipe.name]
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,  # [1, H, T, D]
+    key: Tensor,  # [1, H_kv, T, D]
+    value: Tensor,
+    attention_mask: object,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    flexpage_step: PagedStep | None = None,
+    **kwargs: object,
+) -> tuple[Tensor, None]:
+    if flexpage_step is None:
+        raise ValueError("flexpage_step: got None; attn_implementation='flexpage_paged' runs only inside ModelRunner")
+    step = flexpage_step
+    recipe = recipe_for(sliding_window, softcap)
+    batch = step.batch_for(recipe)
+    layer = module.layer_idx
+    k_pool, v_pool = step.pool.layer(layer)
+    step.pool.write(layer, batch.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    runner_key = (recipe.name, scaling)
+    if runner_key not in step.runners:
+        step.runners[runner_key] = FlexRunner(recipe, compile=step.compile, scale=scaling)
+    out = step.runners[runner_key](query[0].transpose(0, 1), k_pool, v_pool, batch)  # [T, H, D]
+    return out[None], None
+
+
+def _no_mask(*args: object, **kwargs: object) -> None:
+    """Masks come from block tables inside the attention call; HF's mask step has nothing to do."""
+    return None
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(IMPLEMENTATION_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(IMPLEMENTATION_NAME, _no_mask)
+
+
+class ModelRunner:
+    """Owns the model and the KV pool of one process; turns StepInputs into logits."""
+
+    def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int, compile: bool = True,
+                 num_host_blocks: int = 0) -> None:
+        register()
+        config = model.config
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        num_heads = text_config.num_attention_heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
+        self.model = model
+        self.model.set_attn_implementation(IMPLEMENTATION_NAME)
+        self.dtype = next(model.parameters()).dtype
+        self.pool = KVPool(
+            num_layers=text_config.num_hidden_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=getattr(text_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            dtype=self.dtype,
+        )
+        self.compile = compile
+        self._runners: dict[tuple[str, float | None], FlexRunner] = {}
+        # the host tier for preemption by swapping: same layout as the pool's slots
+        self.num_host_blocks = num_host_blocks
+        rows = self.pool.storage.shape[0] * 2 * self.pool.num_kv_heads
+        self.host = torch.zeros(rows, num_host_blocks * block_size, head_dim, dtype=self.dtype)
+
+    @torch.no_grad()
+    def execute(self, inputs: StepInputs) -> Tensor:
+        """Forward the flat batch; returns float32 logits ``[len(sample_rows), vocab]``."""
+        width = next_power_of_two(max(len(t) for t in inputs.block_tables))
+        tables = torch.zeros(len(inputs.block_tables), width, dtype=torch.int32)
+        for row, table in enumerate(inputs.block_tables):
+            tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        step = PagedStep(
+            pool=self.pool,
+            block_tables=tables,
+            seq_lens=torch.tensor(inputs.seq_lens),
+            query_lens=torch.tensor(inputs.query_lens),
+            compile=self.compile,
+            runners=self._runners,
+        )
+        positions = _positions(inputs.seq_lens, inputs.query_lens)
+        out = self.model(
+            input_ids=torch.tensor(inputs.token_ids)[None],
+            position_ids=positions[None],
+            use_cache=False,
+            logits_to_keep=torch.tensor(inputs.sample_rows),
+            flexpage_step=step,
+        )
+        return out.logits[0].float()
+
+    def apply_block_moves(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+                          copies: list[tuple[int, int]]) -> None:
+        """Swap blocks to/from the host tier and copy-on-write, in that order, before a forward."""
+        if swap_out:
+            device, host = zip(*swap_out)
+            self.host[:, self._host_slots(host)] = self.pool.read_blocks(list(device))
+        if swap_in:
+            host, device = zip(*swap_in)
+            self.pool.write_blocks(list(device), self.host[:, self._host_slots(host)])
+        self.pool.copy_blocks(copies)
+
+    def _host_slots(self, blocks: tuple[int, ...]) -> Tensor:
+        ids = torch.tensor(blocks, dtype=torch.long)
+        return (ids[:, None] * self.pool.block_size + torch.arange(self.pool.block_size)).flatten()
+
+
+def _positions(seq_lens: list[int], query_lens: list[int]) -> Tensor:
+    return torch.cat([torch.arange(s - q, s) for s, q in zip(seq_lens, query_lens)])
