@@ -98,6 +98,7 @@ def _mark_dynamic_rows(q: Tensor, group: AttentionGroup) -> None:
     for t in (q, group.kv_num_blocks, group.kv_indices, group.full_kv_num_blocks, group.full_kv_indices,
               group.row_seq, group.block_table, group.q_start, group.seq_len):
         torch._dynamo.maybe_mark_dynamic(t, 0)
+    torch._dynamo.maybe_mark_dynamic(group.block_table, 1)  # pages per row grow with the longest sequence
     if group.q_len > 1:
         torch._dynamo.maybe_mark_dynamic(q, 2)
         for t in (group.kv_num_blocks, group.kv_indices, group.full_kv_num_blocks, group.full_kv_indices):

@@ -75,17 +75,20 @@ def paged_attention_forward(
 ) -> tuple[Tensor, None]:
     if flexpage_step is None:
         raise ValueError("flexpage_step: got None; attn_implementation='flexpage_paged' runs only inside ModelRunner")
-    step = flexpage_step
-    recipe = recipe_for(sliding_window, softcap)
-    batch = step.batch_for(recipe)
-    layer = module.layer_idx
-    k_pool, v_pool = step.pool.layer(layer)
-    step.pool.write(layer, batch.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    runner_key = (recipe.name, scaling)
-    if runner_key not in step.runners:
-        step.runners[runner_key] = FlexRunner(recipe, compile=step.compile, scale=scaling)
-    out = step.runners[runner_key](query[0].transpose(0, 1), k_pool, v_pool, batch)  # [T, H, D]
+    out = _attend(flexpage_step, module.layer_idx, recipe_for(sliding_window, softcap), scaling,
+                  query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))  # [T, H, D]
     return out[None], None
+
+
+def _attend(step: PagedStep, layer: int, recipe: Recipe, scale: float | None, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Write this layer's new K/V ``[T, H_kv, D]`` into the pool, then attend with ``q`` ``[T, H, D]``."""
+    batch = step.batch_for(recipe)
+    k_pool, v_pool = step.pool.layer(layer)
+    step.pool.write(layer, batch.slots, k, v)
+    runner_key = (recipe.name, scale)
+    if runner_key not in step.runners:
+        step.runners[runner_key] = FlexRunner(recipe, compile=step.compile, scale=scale)
+    return step.runners[runner_key](q, k_pool, v_pool, batch)
 
 
 def _no_mask(*args: object, **kwargs: object) -> None:
@@ -113,6 +116,9 @@ class ModelRunner:
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
         self.model = model
         self.model.set_attn_implementation(IMPLEMENTATION_NAME)
+        self.current_step: PagedStep | None = None  # read by attention modules HF does not route kwargs to
+        if config.model_type == "bloom":
+            _route_bloom_attention(model, self)
         self.dtype = next(model.parameters()).dtype
         self.pool = KVPool(
             num_layers=text_config.num_hidden_layers,
@@ -145,6 +151,7 @@ class ModelRunner:
             runners=self._runners,
         )
         positions = _positions(inputs.seq_lens, inputs.query_lens)
+        self.current_step = step
         out = self.model(
             input_ids=torch.tensor(inputs.token_ids)[None],
             position_ids=positions[None],
@@ -152,6 +159,7 @@ class ModelRunner:
             logits_to_keep=torch.tensor(inputs.sample_rows),
             flexpage_step=step,
         )
+        self.current_step = None
         return out.logits[0].float()
 
     def apply_block_moves(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
@@ -172,3 +180,27 @@ class ModelRunner:
 
 def _positions(seq_lens: list[int], query_lens: list[int]) -> Tensor:
     return torch.cat([torch.arange(s - q, s) for s, q in zip(seq_lens, query_lens)])
+
+
+def _route_bloom_attention(model: torch.nn.Module, runner: ModelRunner) -> None:
+    """Bloom computes ALiBi inside its own attention module (not through AttentionInterface),
+    and HF does not pass extra kwargs down to it: replace each module's forward with the
+    paged ALiBi recipe, reading the step from the runner that owns this model."""
+    from recipes.alibi import alibi
+
+    recipe = alibi(model.config.n_head)
+    for layer, block in enumerate(model.transformer.h):
+        attention = block.self_attention
+
+        def forward(hidden_states: Tensor, residual: Tensor, *args: object, _attn=attention, _layer=layer,
+                    **kwargs: object) -> tuple[Tensor, None]:
+            step = runner.current_step
+            if step is None:
+                raise ValueError("Bloom attention ran outside ModelRunner.execute (no paged step)")
+            tokens = hidden_states.shape[1]
+            fused = _attn.query_key_value(hidden_states).view(tokens, _attn.num_heads, 3, _attn.head_dim)
+            q, k, v = (fused[:, :, i].contiguous() for i in range(3))
+            out = _attend(step, _layer, recipe, _attn.inv_norm_factor, q, k, v)
+            return _attn.dense(out.reshape(1, tokens, -1)) + residual, None
+
+        attention.forward = forward
