@@ -190,9 +190,10 @@ class LLMEngine:
             if item.sample:
                 inputs.sample_rows.append(len(inputs.token_ids) - 1)
                 sampled.append(seq)
-        logits = self.runner.execute(inputs) if sampled else None
+        # always run: a step of prefill chunks that samples nothing still computes their K/V
+        logits = self.runner.execute(inputs)
         self.scheduler.mark_computed(sched)
-        if logits is None:
+        if not sampled:
             return
         rows, seqs = self._expand_parallel_samples(sampled)
         logits = logits[rows]

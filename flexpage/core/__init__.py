@@ -14,16 +14,13 @@ Layers, bottom up:
 * :mod:`flexpage.core.block_manager`: per-sequence block tables on top of the
   pool (allocate, append, fork/copy-on-write, swap to host, free).
 * :mod:`flexpage.core.scheduler`: iteration-level continuous batching.
+* :mod:`flexpage.core.scheduler_output`: the per-step plan handed to the runner.
 """
 
 from flexpage.core.block_manager import BlockManager, BlockStats
 from flexpage.core.block_pool import NULL_BLOCK_ID, BlockPool, NoFreeBlocksError
-from flexpage.core.scheduler import (
-    ScheduledSequence,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-)
+from flexpage.core.scheduler import Scheduler, SchedulerConfig
+from flexpage.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from flexpage.core.sequence import Sequence, SequenceStatus
 
 __all__ = [

@@ -26,9 +26,10 @@ token to every sequence whose ``ScheduledSequence.sample`` is True; call
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from flexpage.core.block_manager import BlockManager
+from flexpage.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from flexpage.core.sequence import Sequence, SequenceStatus
 
 __all__ = ["ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
@@ -63,56 +64,6 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) when enable_chunked_prefill is False, or long prompts never fit a step"
             )
-
-
-@dataclass(slots=True)
-class ScheduledSequence:
-    """One sequence's slice of this step: positions ``start .. start + num_new_tokens - 1``."""
-
-    seq: Sequence
-    num_new_tokens: int
-    #: ``seq.num_computed_tokens`` when scheduled: the first position computed this step.
-    start: int
-    #: True when this slice reaches the end of ``seq.token_ids``: the runner must
-    #: sample a token from the last position's logits (decodes and final prefill chunks).
-    sample: bool
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start : self.start + self.num_new_tokens]
-
-    @property
-    def is_prefill(self) -> bool:
-        """Whether any prompt position (or recomputed history) is in this slice."""
-        return not (self.num_new_tokens == 1 and self.sample and self.start >= self.seq.num_prompt_tokens)
-
-    @property
-    def is_prefill_chunk_final(self) -> bool:
-        """Alias of :attr:`sample`."""
-        return self.sample
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """Everything the runner needs for one step. Apply copies in field order:
-    ``blocks_to_swap_out``, ``blocks_to_swap_in``, ``blocks_to_copy``; then run."""
-
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
-    preempted: list[Sequence] = field(default_factory=list)
-    #: Sequences the scheduler itself finished (FINISHED_LENGTH): a lone sequence
-    #: that outgrew the whole pool. The engine should emit their final output.
-    finished: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
 
 
 class Scheduler:
@@ -194,9 +145,16 @@ class Scheduler:
         return seq
 
     def fork(self, parent: Sequence, child_seq_id: int) -> Sequence:
-        """Parallel sampling: a running child sharing ``parent``'s blocks (copy-on-write)."""
+        """Parallel sampling: a running child sharing ``parent``'s blocks (copy-on-write).
+
+        Fork once the prompt is computed (typically right after the prefill
+        step, before appending the n sampled tokens), never mid-prefill: shared
+        blocks are then only ever un-shared by decodes, which may preempt.
+        """
         if parent.status is not SequenceStatus.RUNNING:
             raise ValueError(f"can only fork a RUNNING sequence, got {parent!r}")
+        if parent.num_uncomputed_tokens > 1:
+            raise ValueError(f"cannot fork sequence {parent.seq_id} mid-prefill ({parent.num_uncomputed_tokens} tokens uncomputed)")
         if child_seq_id in self._seqs:
             raise ValueError(f"seq_id {child_seq_id} is already scheduled")
         child = parent.fork(child_seq_id)
@@ -213,6 +171,7 @@ class Scheduler:
 
     # -- the step ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Plan the next forward pass (see the module docstring for the policy)."""
         cfg, bm = self.config, self.block_manager
         out = SchedulerOutput()
         budget = cfg.max_num_batched_tokens
@@ -235,6 +194,9 @@ class Scheduler:
         # 1. decodes, oldest admission first; preempt from the newest end.
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+                continue
+            if seq.num_tokens >= cfg.max_model_len:  # normally the engine stops it first
+                self._finish_length(seq, out)
                 continue
             if budget == 0 or len(out.scheduled) >= cfg.max_num_seqs:
                 break
@@ -295,13 +257,16 @@ class Scheduler:
             victim = self.running[-1]
             if victim is seq and len(self.running) == 1:
                 # Alone and still out of blocks: it holds the whole pool and can never grow.
-                self.finish(seq, SequenceStatus.FINISHED_LENGTH)
-                out.finished.append(seq)
+                self._finish_length(seq, out)
                 return False
             self._preempt(victim, out)
             if victim is seq:
                 return False
         return True
+
+    def _finish_length(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.finish(seq, SequenceStatus.FINISHED_LENGTH)
+        out.finished.append(seq)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

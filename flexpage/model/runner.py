@@ -156,7 +156,7 @@ class ModelRunner:
             input_ids=torch.tensor(inputs.token_ids)[None],
             position_ids=positions[None],
             use_cache=False,
-            logits_to_keep=torch.tensor(inputs.sample_rows),
+            logits_to_keep=torch.tensor(inputs.sample_rows, dtype=torch.long),
             flexpage_step=step,
         )
         self.current_step = None

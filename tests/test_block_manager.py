@@ -1,0 +1,527 @@
+"""Exact-state tests for flexpage.core's block pool / block manager.
+
+In the style of vLLM's tests/v1/core/test_prefix_caching.py: block ids, ref
+counts and eviction order are asserted exactly. A hypothesis state machine then
+drives random operation sequences against a symbolic "shadow KV" (each slot
+stores the token prefix whose KV it should hold) to check that prefix hits,
+copy-on-write and swapping never let a sequence see the wrong KV.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from flexpage.core import BlockManager, NoFreeBlocksError, Sequence
+
+
+def compute(bm: BlockManager, seq: Sequence, n: int | None = None) -> list[tuple[int, int]]:
+    """Runner stand-in: reserve slots for the next n positions and mark them computed."""
+    n = seq.num_uncomputed_tokens if n is None else n
+    copies = bm.append_slots(seq, n)
+    bm.mark_computed(seq, n)
+    return copies
+
+
+def test_core_does_not_import_torch() -> None:
+    import flexpage.core  # noqa: F401
+
+    mods = [m for m in sys.modules if m.startswith("flexpage.core")]
+    assert mods
+    for name in mods:
+        src = open(sys.modules[name].__file__).read()  # type: ignore[arg-type]
+        assert "import torch" not in src and "from torch" not in src, name
+
+
+# -- allocation -----------------------------------------------------------------------
+
+
+def test_allocate_and_grow() -> None:
+    bm = BlockManager(10, 4)
+    seq = Sequence(0, range(10))
+    assert bm.can_allocate(seq)
+    bm.allocate(seq)
+    assert seq.block_table == [1, 2, 3]
+    assert (seq.num_computed_tokens, seq.num_cached_tokens) == (0, 0)
+    assert compute(bm, seq) == []
+    assert seq.num_computed_tokens == 10
+    for tok, table in [(10, [1, 2, 3]), (11, [1, 2, 3]), (12, [1, 2, 3, 4])]:
+        seq.append_token(tok)  # sampled; its KV is computed by the next step
+        assert bm.append_slots(seq, 1) == []
+        bm.mark_computed(seq, 1)
+        assert seq.block_table == table
+    s = bm.stats()
+    assert (s.total, s.free, s.cached, s.used) == (10, 5, 0, 4)
+    # Blocks 1..3 are full and computed, so indexed; block 4 is partial.
+    assert [bm.pool.block_hash(b) is not None for b in seq.block_table] == [True, True, True, False]
+
+
+def test_prefix_hit_across_requests() -> None:
+    bm = BlockManager(10, 4)
+    a = Sequence(0, range(10))
+    bm.allocate(a)
+    compute(bm, a)
+    b = Sequence(1, list(range(8)) + [50, 51])
+    bm.allocate(b)
+    assert b.block_table == [1, 2, 4]
+    assert (b.num_computed_tokens, b.num_cached_tokens) == (8, 8)
+    assert [bm.pool.ref_count(i) for i in (1, 2, 3, 4)] == [2, 2, 1, 1]
+    s = bm.stats()
+    assert (s.prefix_cache_queries, s.prefix_cache_hits, s.used, s.free) == (20, 8, 4, 5)
+    assert s.prefix_cache_hit_rate == pytest.approx(0.4)
+
+
+def test_last_token_is_always_computed() -> None:
+    bm = BlockManager(10, 4)
+    a = Sequence(0, range(9))
+    bm.allocate(a)
+    compute(bm, a)  # blocks 1, 2 full and hashed
+    exact = Sequence(1, range(8))  # same 2 full blocks, but the last token must be computed
+    assert bm.num_cached_prefix_tokens(exact) == 4
+    bm.allocate(exact)
+    assert exact.block_table == [1, 4]
+    assert exact.num_computed_tokens == 4
+    one_block = Sequence(2, range(4))
+    bm.allocate(one_block)
+    assert one_block.block_table == [5]
+    assert one_block.num_computed_tokens == 0
+
+
+def test_shared_system_prompt_stored_once() -> None:
+    bs, n_req = 16, 16
+    bm = BlockManager(64, bs)
+    system = list(range(1000, 1512))  # 512 tokens = 32 blocks
+    seqs = []
+    for i in range(n_req):
+        seq = Sequence(i, system + [i * 10 + k for k in range(8)])  # 520 tokens -> 33 blocks
+        bm.allocate(seq)
+        compute(bm, seq)
+        seqs.append(seq)
+    assert seqs[0].block_table == list(range(1, 34))
+    for i, seq in enumerate(seqs[1:], start=1):
+        assert seq.block_table == list(range(1, 33)) + [33 + i]
+        assert seq.num_cached_tokens == 512
+    s = bm.stats()
+    assert s.used == 32 + n_req  # the prompt's 32 blocks once, plus one tail block each
+    assert s.free == 63 - 48
+    assert bm.pool.ref_count(1) == bm.pool.ref_count(32) == n_req
+    assert (s.prefix_cache_hits, s.prefix_cache_queries) == (15 * 512, 16 * 520)
+    for seq in seqs:
+        bm.free(seq)
+    s = bm.stats()
+    assert (s.used, s.cached, s.free) == (0, 32, 31)  # full prompt blocks stay cached; partial tails freed
+
+
+def test_cached_blocks_survive_free_and_evict_lru_tail_first() -> None:
+    bm = BlockManager(6, 4)
+    a = Sequence(0, range(9))
+    bm.allocate(a)
+    compute(bm, a)
+    bm.free(a)
+    assert a.block_table == [] and a.num_computed_tokens == 0
+    bm.free(a)  # idempotent
+    s = bm.stats()
+    assert (s.free, s.cached, s.used) == (3, 2, 0)
+    assert bm.pool.cached_block_ids() == [2, 1]  # a's tail is evicted before its head
+
+    b = Sequence(1, range(100, 113))  # unrelated, 4 blocks: 3 free + 1 eviction
+    bm.allocate(b)
+    assert b.block_table == [4, 5, 3, 2]
+    assert bm.stats().evictions == 1
+    assert bm.pool.cached_block_ids() == [1]
+    bm.free(b)  # never computed: nothing hashed, all go back to the free list
+
+    c = Sequence(2, [0, 1, 2, 3, 7, 7])  # hits a's first block, which survived
+    bm.allocate(c)
+    assert c.block_table == [1, 2]
+    assert c.num_computed_tokens == 4
+    assert bm.stats().cached == 0  # block 1 was revived
+
+
+def test_eviction_order_across_requests() -> None:
+    bm = BlockManager(8, 4)
+    a, b = Sequence(0, range(9)), Sequence(1, range(50, 59))
+    for seq in (a, b):
+        bm.allocate(seq)
+        compute(bm, seq)
+    assert (a.block_table, b.block_table) == ([1, 2, 3], [4, 5, 6])
+    bm.free(a)
+    bm.free(b)
+    assert bm.pool.cached_block_ids() == [2, 1, 5, 4]
+    big = Sequence(2, range(200, 220))  # 5 blocks: 3 free, then evict 2 LRU
+    bm.allocate(big)
+    assert big.block_table == [7, 3, 6, 2, 1]
+    assert bm.pool.cached_block_ids() == [5, 4]
+    assert bm.stats().evictions == 2
+
+
+def test_revive_whole_cached_prefix() -> None:
+    bm = BlockManager(10, 4)
+    a = Sequence(0, range(9))
+    bm.allocate(a)
+    compute(bm, a)
+    bm.free(a)
+    again = Sequence(1, range(9))
+    assert bm.can_allocate(again)
+    bm.allocate(again)
+    assert again.block_table == [1, 2, 4]
+    assert bm.stats().cached == 0
+    assert again.num_computed_tokens == 8
+
+
+def test_concurrent_duplicate_prefix_is_not_double_indexed() -> None:
+    bm = BlockManager(10, 4)
+    a, b = Sequence(0, range(9)), Sequence(1, range(9))
+    bm.allocate(a)
+    bm.allocate(b)  # a not computed yet: no hit
+    assert (a.block_table, b.block_table) == ([1, 2, 3], [4, 5, 6])
+    compute(bm, a)
+    compute(bm, b)
+    assert bm.pool.block_hash(4) is None and bm.pool.block_hash(1) is not None
+    bm.free(a)
+    bm.free(b)
+    s = bm.stats()
+    assert (s.cached, s.free) == (2, 7)
+
+
+def test_follow_up_chat_turn_hits_prompt_and_answer() -> None:
+    bm = BlockManager(16, 4)
+    turn1 = Sequence(0, range(6))
+    bm.allocate(turn1)
+    compute(bm, turn1)
+    for tok in range(100, 106):  # sample 6 answer tokens, computing each previous one
+        turn1.append_token(tok)
+        compute(bm, turn1)
+    assert turn1.num_tokens == 12 and turn1.num_computed_tokens == 12
+    history = list(turn1.token_ids)
+    bm.free(turn1)
+    turn2 = Sequence(1, history + [7, 8, 9, 10, 11])
+    bm.allocate(turn2)
+    assert turn2.num_cached_tokens == 12  # prompt + the model's answer
+    assert turn2.block_table[:3] == [1, 2, 3]
+
+
+def test_fork_copy_on_write() -> None:
+    bm = BlockManager(10, 4)
+    a = Sequence(0, range(6))
+    bm.allocate(a)
+    compute(bm, a)
+    b = a.fork(1)
+    bm.fork(a, b)
+    assert b.block_table == [1, 2] and b.num_computed_tokens == 6
+    assert [bm.pool.ref_count(i) for i in (1, 2)] == [2, 2]
+    a.append_token(100)
+    b.append_token(200)
+    assert bm.can_append_slots(a, 1)
+    assert bm.append_slots(a, 1) == [(2, 3)]  # a writes into shared partial block 2 -> copy
+    assert a.block_table == [1, 3]
+    assert bm.append_slots(b, 1) == []  # block 2 is b's alone now
+    assert b.block_table == [1, 2]
+    assert [bm.pool.ref_count(i) for i in (1, 2, 3)] == [2, 1, 1]
+    bm.free(a)
+    bm.free(b)
+    assert bm.stats().used == 0
+
+
+def test_fork_at_block_boundary_needs_no_copy() -> None:
+    bm = BlockManager(10, 4)
+    a = Sequence(0, range(8))
+    bm.allocate(a)
+    compute(bm, a)
+    b = a.fork(1)
+    bm.fork(a, b)
+    a.append_token(1)
+    b.append_token(2)
+    assert bm.append_slots(a, 1) == [] and bm.append_slots(b, 1) == []
+    assert (a.block_table, b.block_table) == ([1, 2, 3], [1, 2, 4])
+
+
+def test_swap_round_trip_without_prefix_cache() -> None:
+    bm = BlockManager(8, 4, enable_prefix_caching=False, num_host_blocks=4)
+    a = Sequence(0, range(10))
+    bm.allocate(a)
+    compute(bm, a)
+    assert bm.can_swap_out(a)
+    assert bm.swap_out(a) == [(1, 0), (2, 1), (3, 2)]
+    assert (a.block_table, a.host_block_table, a.num_computed_tokens) == ([], [0, 1, 2], 10)
+    s = bm.stats()
+    assert (s.used, s.free, s.host_used, s.host_free) == (0, 7, 3, 1)
+    assert bm.can_swap_in(a)
+    assert bm.swap_in(a) == [(0, 4), (1, 5), (2, 6)]
+    assert (a.block_table, a.host_block_table, a.num_computed_tokens) == ([4, 5, 6], [], 10)
+    assert bm.stats().host_free == 4
+    bm.free(a)
+    big = Sequence(1, range(20))  # 5 blocks > 4 host slots
+    bm.allocate(big)
+    assert not bm.can_swap_out(big)
+    with pytest.raises(NoFreeBlocksError):
+        bm.swap_out(big)
+
+
+def test_swap_in_reuses_blocks_still_cached_on_device() -> None:
+    bm = BlockManager(8, 4, num_host_blocks=4)
+    a = Sequence(0, range(10))
+    bm.allocate(a)
+    compute(bm, a)
+    assert bm.swap_out(a) == [(1, 0), (2, 1), (3, 2)]
+    assert bm.stats().cached == 2
+    assert bm.swap_in(a) == [(2, 4)]  # full blocks 1, 2 still cached: no copy
+    assert a.block_table == [1, 2, 4]
+
+
+def test_free_swapped_sequence_returns_host_slots() -> None:
+    bm = BlockManager(8, 4, num_host_blocks=4)
+    a = Sequence(0, range(5))
+    bm.allocate(a)
+    bm.swap_out(a)
+    bm.free(a)
+    s = bm.stats()
+    assert (s.host_free, s.used, a.host_block_table) == (4, 0, [])
+
+
+def test_null_block_never_handed_out() -> None:
+    bm = BlockManager(4, 4)
+    seqs = [Sequence(i, [i] * 4) for i in range(3)]
+    for seq in seqs:
+        bm.allocate(seq)
+    assert [s.block_table for s in seqs] == [[1], [2], [3]]
+    extra = Sequence(9, [9])
+    assert not bm.can_allocate(extra)
+    with pytest.raises(NoFreeBlocksError):
+        bm.allocate(extra)
+    assert bm.null_block_id == 0 and bm.pool.ref_count(0) == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        (dict(num_blocks=1, block_size=4), "num_blocks"),
+        (dict(num_blocks=8, block_size=0), "block_size"),
+        (dict(num_blocks=8, block_size=4, num_host_blocks=-1), "num_host_blocks"),
+        (dict(num_blocks=8.0, block_size=4), "num_blocks"),
+    ],
+)
+def test_bad_config_names_the_argument(kwargs: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        BlockManager(**kwargs)
+
+
+def test_mark_computed_rejects_overrun() -> None:
+    bm = BlockManager(8, 4)
+    a = Sequence(0, range(5))
+    bm.allocate(a)
+    with pytest.raises(ValueError, match="computed"):
+        bm.mark_computed(a, 6)
+    bm.free(a)
+    bm.mark_computed(a, 1)  # freed (e.g. aborted mid-step): ignored
+    assert a.num_computed_tokens == 0
+
+
+def test_reset_prefix_cache() -> None:
+    bm = BlockManager(8, 4)
+    a = Sequence(0, range(9))
+    bm.allocate(a)
+    compute(bm, a)
+    bm.free(a)
+    assert bm.reset_prefix_cache() == 2
+    s = bm.stats()
+    assert (s.cached, s.free) == (0, 7)
+    assert bm.num_cached_prefix_tokens(Sequence(1, range(9))) == 0
+
+
+# -- property test ------------------------------------------------------------------------
+
+PREFIXES = [[], [1, 2, 1, 2, 1, 2, 1, 2, 1], [3, 3, 3, 3, 0, 0, 0, 0]]
+
+
+class ShadowKV:
+    """Symbolic KV: slot (block, offset) holds the token prefix whose KV it contains."""
+
+    def __init__(self, block_size: int) -> None:
+        self.bs = block_size
+        self.dev: dict[int, list] = {}
+        self.host: dict[int, list] = {}
+
+    def _blk(self, store: dict[int, list], b: int) -> list:
+        return store.setdefault(b, [None] * self.bs)
+
+    def copy(self, pairs: list[tuple[int, int]], src: dict, dst: dict) -> None:
+        data = [list(self._blk(src, s)) for s, _ in pairs]  # gather, then scatter
+        for (_, d), blk in zip(pairs, data):
+            dst[d] = blk
+
+    def write(self, seq: Sequence, start: int, n: int) -> None:
+        for p in range(start, start + n):
+            self._blk(self.dev, seq.block_table[p // self.bs])[p % self.bs] = tuple(seq.token_ids[: p + 1])
+
+    def check(self, seq: Sequence) -> None:
+        for p in range(seq.num_computed_tokens):
+            got = self._blk(self.dev, seq.block_table[p // self.bs])[p % self.bs]
+            assert got == tuple(seq.token_ids[: p + 1]), (seq, p)
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    prefix_caching = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bs = 4
+        self.bm = BlockManager(9, self.bs, enable_prefix_caching=self.prefix_caching, num_host_blocks=8)
+        self.kv = ShadowKV(self.bs)
+        self.live: dict[int, Sequence] = {}
+        self.family: dict[int, int] = {}
+        self.next_id = 0
+
+    def _pick(self, data: st.DataObject, pred) -> Sequence | None:
+        ids = sorted(i for i, s in self.live.items() if pred(s))
+        return self.live[data.draw(st.sampled_from(ids))] if ids else None
+
+    def _compute(self, seq: Sequence, n: int) -> None:
+        start = seq.num_computed_tokens
+        self.kv.copy(self.bm.append_slots(seq, n), self.kv.dev, self.kv.dev)
+        for p in range(start, start + n):  # the runner only ever writes exclusively owned blocks
+            block = seq.block_table[p // self.bs]
+            assert self.bm.pool.ref_count(block) == 1 and self.bm.pool.block_hash(block) is None
+        self.kv.write(seq, start, n)
+        self.bm.mark_computed(seq, n)
+
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        suffix=st.one_of(st.just([]), st.lists(st.integers(0, 3), max_size=14)),
+        prefill=st.booleans(),
+    )
+    def add(self, prefix: list[int], suffix: list[int], prefill: bool) -> None:
+        seq = Sequence(self.next_id, (prefix + suffix) or [0])
+        if not self.bm.can_allocate(seq):
+            with pytest.raises(NoFreeBlocksError):
+                self.bm.allocate(seq)
+            return
+        self.bm.allocate(seq)
+        assert seq.num_computed_tokens % self.bs == 0
+        assert seq.num_computed_tokens <= seq.num_tokens - 1
+        self.kv.check(seq)  # cache hits must carry exactly this prefix's KV
+        self.live[seq.seq_id] = seq
+        self.family[seq.seq_id] = seq.seq_id
+        self.next_id += 1
+        if prefill and self.bm.can_append_slots(seq, seq.num_uncomputed_tokens):
+            self._compute(seq, seq.num_uncomputed_tokens)
+
+    @rule(token=st.integers(4, 7))
+    def pressure(self, token: int) -> None:
+        """A sequence needing every free block and more: forces LRU eviction of cached blocks."""
+        want = self.bm.stats().free + 1
+        seq = Sequence(self.next_id, [token] * (want * self.bs))
+        if self.bm.can_allocate(seq):
+            self.bm.allocate(seq)
+            self.live[seq.seq_id] = seq
+            self.family[seq.seq_id] = seq.seq_id
+            self.next_id += 1
+
+    @rule(data=st.data())
+    def compute(self, data: st.DataObject) -> None:
+        seq = self._pick(data, lambda s: s.block_table and s.num_uncomputed_tokens > 0)
+        if seq is None:
+            return
+        n = data.draw(st.integers(1, seq.num_uncomputed_tokens))
+        if self.bm.can_append_slots(seq, n):
+            self._compute(seq, n)
+
+    @rule(data=st.data(), token=st.integers(0, 3))
+    def sample(self, data: st.DataObject, token: int) -> None:
+        seq = self._pick(data, lambda s: s.block_table and s.num_uncomputed_tokens == 0)
+        if seq is not None:
+            seq.append_token(token)
+
+    @rule(data=st.data(), tokens=st.tuples(st.integers(0, 3), st.integers(0, 3)))
+    def fork(self, data: st.DataObject, tokens: tuple[int, int]) -> None:
+        parent = self._pick(data, lambda s: s.block_table)
+        if parent is None:
+            return
+        child = parent.fork(self.next_id)
+        self.bm.fork(parent, child)
+        self.live[child.seq_id] = child
+        self.family[child.seq_id] = self.family[parent.seq_id]
+        self.next_id += 1
+        if parent.num_uncomputed_tokens == 0:  # parallel sampling: n tokens from the same logits
+            parent.append_token(tokens[0])
+            child.append_token(tokens[1])
+
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        seq = self._pick(data, lambda s: True)
+        if seq is not None:
+            self.bm.free(seq)
+            self.bm.free(seq)
+            del self.live[seq.seq_id]
+
+    @rule(data=st.data())
+    def swap_out(self, data: st.DataObject) -> None:
+        seq = self._pick(data, lambda s: s.block_table)
+        if seq is None or not self.bm.can_swap_out(seq):
+            return
+        table = list(seq.block_table)
+        pairs = self.bm.swap_out(seq)
+        assert [d for d, _ in pairs] == table
+        self.kv.copy(pairs, self.kv.dev, self.kv.host)
+
+    @rule(data=st.data())
+    def swap_in(self, data: st.DataObject) -> None:
+        seq = self._pick(data, lambda s: s.host_block_table)
+        if seq is None or not self.bm.can_swap_in(seq):
+            return
+        self.kv.copy(self.bm.swap_in(seq), self.kv.host, self.kv.dev)
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        self.bm.reset_prefix_cache()
+
+    @invariant()
+    def consistent(self) -> None:
+        bm, live = self.bm, list(self.live.values())
+        refs = Counter(b for s in live for b in s.block_table)
+        assert 0 not in refs
+        for b in range(1, bm.num_blocks):
+            assert bm.pool.ref_count(b) == refs.get(b, 0), b
+        stats = bm.stats()
+        assert stats.free + stats.cached + stats.used == stats.total - 1
+        assert stats.used == len(refs)
+        hosts = [h for s in live for h in s.host_block_table]
+        assert len(hosts) == len(set(hosts)) == stats.host_used
+        holders: dict[int, tuple[int, int]] = {}
+        for s in live:
+            assert not (s.block_table and s.host_block_table)
+            assert len(set(s.block_table)) == len(s.block_table)
+            assert s.num_computed_tokens <= s.num_tokens
+            table = s.block_table or s.host_block_table
+            assert len(table) * self.bs >= s.num_computed_tokens
+            for i, b in enumerate(s.block_table):
+                if b in holders:  # shared: same position, and same family or a hashed prefix block
+                    idx, fam = holders[b]
+                    assert idx == i
+                    assert fam == self.family[s.seq_id] or bm.pool.block_hash(b) is not None
+                holders[b] = (i, self.family[s.seq_id])
+            if s.block_table:
+                self.kv.check(s)
+
+    def teardown(self) -> None:
+        for seq in list(self.live.values()):
+            self.bm.free(seq)
+        stats = self.bm.stats()
+        assert stats.free + stats.cached == stats.total - 1
+        assert stats.used == 0 and stats.host_free == stats.host_total
+
+
+class NoPrefixCacheMachine(BlockManagerMachine):
+    prefix_caching = False
+
+
+_machine_settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = _machine_settings
+TestNoPrefixCacheMachine = NoPrefixCacheMachine.TestCase
+TestNoPrefixCacheMachine.settings = _machine_settings
