@@ -96,18 +96,24 @@ class LLMEngine:
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0}
 
     # -- requests ------------------------------------------------------------------
-    def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Validate and queue one request; raises ValueError before anything is scheduled."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params: got {type(params).__name__}, expected SamplingParams")
+    def prepare_prompt(self, prompt: PromptInput) -> dict[str, Any]:
+        """Tokenise and check one prompt without queueing it: ``{"prompt", "prompt_token_ids"}``."""
         text, token_ids = self._tokenize(prompt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
                 "(the prompt plus at least one generated token must fit)"
             )
+        return {"prompt": text, "prompt_token_ids": token_ids}
+
+    def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue one request; raises ValueError before anything is scheduled."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: got {type(params).__name__}, expected SamplingParams")
+        prepared = self.prepare_prompt(prompt)
+        text, token_ids = prepared["prompt"], prepared["prompt_token_ids"]
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in flight")

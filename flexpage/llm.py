@@ -38,14 +38,8 @@ class LLM:
         for p in params:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params: got {type(p).__name__}, expected SamplingParams")
-        ids = []
-        try:
-            for prompt, p in zip(prompt_list, params):
-                ids.append(self.engine.add_request(prompt, p))
-        except ValueError:
-            for request_id in ids:
-                self.engine.abort(request_id)
-            raise
+        prepared = [self.engine.prepare_prompt(prompt) for prompt in prompt_list]  # raises before queueing
+        ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prepared, params)]
         results: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
@@ -77,6 +71,10 @@ def _as_list(prompts: Any) -> list[PromptInput]:
         return [prompts]
     if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(
+            f"prompts: got {type(prompts).__name__}, expected a str, a list of token ids, a dict or a list of those"
+        )
     return list(prompts)
 
 

@@ -127,11 +127,10 @@ class FlexRunner:
         check_arg(k_pool.shape[2] == batch.num_pages * batch.page_size, "k_pool slots", k_pool.shape[2],
                   f"{batch.num_pages} pages x {batch.page_size}")
         fn = _compiled_group_attention if self.compile else _group_attention
-        # one zero row at index num_tokens serves every padded query position
-        q_ext = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
         out = q.new_empty(q.shape)
         for group in batch.groups:
-            q_group = q_ext[group.token_index].transpose(1, 2)  # [B, L, H, D] -> [B, H, L, D]
+            q_group = q.index_select(0, group.gather_index).view(group.rows, group.q_len, *q.shape[1:])
+            q_group = q_group.transpose(1, 2)  # [B, L, H, D] -> [B, H, L, D]
             if self.compile:
                 _mark_dynamic_rows(q_group, group)
             o = fn(
@@ -145,6 +144,5 @@ class FlexRunner:
 
 
 def _scatter_rows(out: Tensor, o: Tensor, group: AttentionGroup) -> None:
-    index = group.token_index.flatten()
-    keep = index < out.shape[0]
-    out[index[keep]] = o.reshape(-1, *o.shape[2:])[keep]
+    rows = o.reshape(-1, *o.shape[2:]).index_select(0, group.scatter_rows)
+    out.index_copy_(0, group.scatter_tokens, rows)

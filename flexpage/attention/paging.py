@@ -46,6 +46,9 @@ class AttentionGroup:
     """Rows of the batch that share one padded query length and one ``BlockMask``."""
 
     token_index: Tensor  # [B, L] int64: flat token index per padded query row (num_tokens = padding)
+    gather_index: Tensor  # [B*L] int64: token_index with padding clamped to a real row (its output is dropped)
+    scatter_rows: Tensor  # [n] int64: which padded rows are real
+    scatter_tokens: Tensor  # [n] int64: the flat token each real row's output belongs to
     q_block: int
     kv_num_blocks: Tensor  # [B, 1, M] int32, partial pages per query block
     kv_indices: Tensor  # [B, 1, M, J] int32, physical page ids, partial first
@@ -242,8 +245,13 @@ def _build_group(
     # the kernel wants index rows as wide as the pool; entries past the counts are never read
     kv_num_blocks, kv_indices = _compact(partial, table, num_pages)
     full_kv_num_blocks, full_kv_indices = _compact(every, table, num_pages)
+    flat = token_index.flatten()
+    real = torch.nonzero(flat < num_tokens).flatten()
     return AttentionGroup(
         token_index=token_index,
+        gather_index=flat.clamp(max=num_tokens - 1),
+        scatter_rows=real,
+        scatter_tokens=flat[real],
         q_block=q_block,
         kv_num_blocks=kv_num_blocks,
         kv_indices=kv_indices,

@@ -141,6 +141,21 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def hashes_filled_by(self, seq: Sequence, num_new_tokens: int) -> list[BlockHash]:
+        """Hashes of the blocks that computing the next ``num_new_tokens`` positions fills."""
+        old_full = seq.num_computed_tokens // self.block_size
+        new_full = (seq.num_computed_tokens + num_new_tokens) // self.block_size
+        return self._hashes(seq, new_full)[old_full:new_full] if new_full > old_full else []
+
+    def next_uncached_hash(self, seq: Sequence) -> BlockHash | None:
+        """Hash of the first prompt block a fresh allocation would have to compute (None: all cached)."""
+        if not self.enable_prefix_caching:
+            return None
+        hits = len(self._cached_prefix(seq))
+        if hits >= (seq.num_tokens - 1) // self.block_size:
+            return None
+        return self._hashes(seq, hits + 1)[hits]
+
     def num_cached_prefix_tokens(self, seq: Sequence) -> int:
         """Tokens :meth:`allocate` would take from the cache right now (no side effects)."""
         return len(self._cached_prefix(seq)) * self.block_size

@@ -176,10 +176,12 @@ class Scheduler:
         out = SchedulerOutput()
         budget = cfg.max_num_batched_tokens
         scheduled: set[int] = set()
+        in_flight: set[bytes] = set()  # hashes of full blocks this step computes
 
         def take(seq: Sequence, n: int) -> None:
             nonlocal budget
             out.blocks_to_copy.extend(bm.append_slots(seq, n))
+            in_flight.update(bm.hashes_filled_by(seq, n))
             start = seq.num_computed_tokens
             out.scheduled.append(ScheduledSequence(seq, n, start, start + n == seq.num_tokens))
             scheduled.add(id(seq))
@@ -234,6 +236,8 @@ class Scheduler:
             if len(self.running) >= cfg.max_num_seqs or len(out.scheduled) >= cfg.max_num_seqs:
                 break
             seq = self.waiting[0]
+            if in_flight and bm.next_uncached_hash(seq) in in_flight:
+                break  # an earlier admission computes this prefix now: next step shares it instead
             if not bm.can_allocate(seq, self._watermark()):
                 break
             remaining = seq.num_tokens - bm.num_cached_prefix_tokens(seq)

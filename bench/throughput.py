@@ -1,0 +1,181 @@
+"""Offline throughput: flexpage LLM.generate vs HF transformers, one run, same workload.
+
+    python -m bench.throughput [--num-prompts 32] [--quick] [--skip-hf]
+
+Workload ("ShareGPT-like", fixed seed): prompt lengths log-normal with median 96 tokens
+(sigma 0.8, clipped to 16-512), output lengths log-normal with median 64 (sigma 0.6,
+clipped to 8-192); token ids drawn uniformly from the vocabulary's ordinary range and
+``ignore_eos`` so every request generates exactly its output length (HF baselines use
+``min_new_tokens == max_new_tokens`` per batch for the same reason).
+
+Measured side by side: flexpage (bf16, compiled attention) against HF ``model.generate``
+in static padded batches of 8 and HF ``generate_batch`` (transformers' paged continuous
+batching); the model's matmuls alone at batch 64 (the practical roofline); and a
+shared-system-prompt workload with prefix caching on and off. Writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flexpage import LLM, SamplingParams
+from flexpage.model.loader import load_hf_model, resolve_model_path
+
+
+def sharegpt_like(num: int, seed: int, vocab: int = 49152) -> list[tuple[list[int], int]]:
+    rng = np.random.default_rng(seed)
+    prompt_lens = np.clip(rng.lognormal(np.log(96), 0.8, num), 16, 512).astype(int)
+    output_lens = np.clip(rng.lognormal(np.log(64), 0.6, num), 8, 192).astype(int)
+    return [(rng.integers(100, vocab - 100, p).tolist(), int(o)) for p, o in zip(prompt_lens, output_lens)]
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_flexpage(llm: LLM, workload: list[tuple[list[int], int]]) -> dict:
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in workload]
+    inputs = [{"prompt_token_ids": p} for p, _ in workload]
+    engine = llm.engine
+    utilisation: list[float] = []
+    start = time.perf_counter()
+    for prompt, p in zip(inputs, params):
+        engine.add_request(prompt, p)
+    generated = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                generated += len(out.outputs[0].token_ids)
+        if engine.scheduler.running:
+            utilisation.append(engine.kv_utilization())
+    elapsed = time.perf_counter() - start
+    return {"output_tokens": generated, "seconds": elapsed, "tokens_per_s": generated / elapsed,
+            "kv_utilisation_mean": statistics.mean(utilisation) if utilisation else None}
+
+
+def run_hf_static(model: torch.nn.Module, workload: list[tuple[list[int], int]], batch: int = 8) -> dict:
+    start = time.perf_counter()
+    generated = 0
+    for i in range(0, len(workload), batch):
+        chunk = workload[i : i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
+        new = max(o for _, o in chunk)
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=0)
+        generated += sum(o for _, o in chunk)  # tokens each request asked for; padding rows' extras not counted
+    elapsed = time.perf_counter() - start
+    return {"output_tokens": generated, "seconds": elapsed, "tokens_per_s": generated / elapsed}
+
+
+def run_hf_generate_batch(model: torch.nn.Module, workload: list[tuple[list[int], int]]) -> dict:
+    from transformers import GenerationConfig
+
+    new = max(o for _, o in workload)
+    config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    start = time.perf_counter()
+    with torch.no_grad():
+        outputs = model.generate_batch(inputs=[p for p, _ in workload], generation_config=config, progress_bar=False)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.generated_tokens) for o in outputs.values())
+    return {"output_tokens": generated, "seconds": elapsed, "tokens_per_s": generated / elapsed,
+            "note": "all requests generate the workload's longest output (one GenerationConfig per call)"}
+
+
+def matmul_only_rate(model: torch.nn.Module, batch: int, reps: int = 10) -> dict:
+    """One decode step's linear layers (+ LM head) at ``batch`` rows: the practical roofline."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    x = {m.in_features: torch.randn(batch, m.in_features, dtype=m.weight.dtype) for m in linears}
+
+    def step() -> None:
+        for m in linears:
+            torch.nn.functional.linear(x[m.in_features], m.weight)
+
+    step()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    ms = statistics.median(times) * 1e3
+    return {"batch": batch, "step_ms": ms, "tokens_per_s": batch / ms * 1e3}
+
+
+def shared_prefix(llm_on: LLM, llm_off: LLM, num: int = 16, system_len: int = 512, seed: int = 1) -> dict:
+    rng = np.random.default_rng(seed)
+    system = rng.integers(100, 40000, system_len).tolist()
+    prompts = [{"prompt_token_ids": system + rng.integers(100, 40000, 32).tolist()} for _ in range(num)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    result = {}
+    for name, llm in (("prefix_caching_on", llm_on), ("prefix_caching_off", llm_off)):
+        llm.generate(prompts[:1], params)  # warm: the first request fills the cache when caching is on
+        start = time.perf_counter()
+        outs = llm.generate(prompts[1:], params)
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        result[name] = {"seconds": elapsed, "tokens_per_s": tokens / elapsed,
+                        "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs)}
+    result["speedup"] = result["prefix_caching_on"]["tokens_per_s"] / result["prefix_caching_off"]["tokens_per_s"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="8 prompts, no HF static baseline")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/throughput.json"))
+    args = parser.parse_args()
+    num = 8 if args.quick else args.num_prompts
+    workload = sharegpt_like(num, args.seed)
+    dtype = torch.bfloat16
+    results: dict = {"workload": {"num_prompts": num, "seed": args.seed,
+                                  "prompt_tokens": sum(len(p) for p, _ in workload),
+                                  "output_tokens": sum(o for _, o in workload)},
+                     "torch_threads": torch.get_num_threads()}
+
+    llm = LLM(dtype="bfloat16", max_num_seqs=args.max_num_seqs, max_num_batched_tokens=1024)
+    run_flexpage(llm, sharegpt_like(4, args.seed + 1))  # warm-up: compile the attention kernels
+    results["flexpage"] = run_flexpage(llm, workload)
+    results["flexpage"]["kv_bytes_per_token"] = llm.engine.runner.pool.bytes_per_token
+    results["flexpage"]["peak_rss_mb"] = peak_rss_mb()
+    print("flexpage", results["flexpage"], flush=True)
+
+    hf = load_hf_model(resolve_model_path(None), dtype, attn_implementation="sdpa")
+    results["matmul_only_batch64"] = matmul_only_rate(hf, 64)
+    results["matmul_only_batch32"] = matmul_only_rate(hf, 32)
+    print("matmul only", results["matmul_only_batch64"], flush=True)
+    if not args.skip_hf:
+        if not args.quick:
+            results["hf_static_batch8"] = run_hf_static(hf, workload)
+            print("hf static", results["hf_static_batch8"], flush=True)
+        results["hf_generate_batch"] = run_hf_generate_batch(hf, workload)
+        print("hf generate_batch", results["hf_generate_batch"], flush=True)
+        results["speedup_vs_generate_batch"] = (
+            results["flexpage"]["tokens_per_s"] / results["hf_generate_batch"]["tokens_per_s"])
+    results["fraction_of_matmul_roofline_b64"] = (
+        results["flexpage"]["tokens_per_s"] / results["matmul_only_batch64"]["tokens_per_s"])
+    del hf
+
+    llm_off = LLM(dtype="bfloat16", max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
+    results["shared_system_prompt"] = shared_prefix(llm, llm_off, num=8 if args.quick else 16)
+    print("shared prefix", results["shared_system_prompt"], flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
