@@ -5,8 +5,11 @@ sizes back into ``cur_qSplitSize``/``cur_kvSplitSize`` with a plain ``str.replac
 the kernel also uses a size variable whose name extends that symbol's name (``ks1`` and
 ``ks18``), the replace corrupts the longer one and the generated C++ does not compile
 ("'cur_kvSplitSize8' was not declared"). Paged mask mods index per-row tables, which adds
-enough size variables to hit this. The fix repeats the same substitution with word
-boundaries. It is applied once, on import, and only touches that one method.
+enough size variables to hit this. Worse, the block-size symbols get names ``ks{count}``
+that can equal the ``k{symbol}`` name of a size variable the template registered first
+(``ks6`` twice), so even an exact substitution rewrites the wrong bound. The fix names the
+two block-size symbols uniquely up front and substitutes those names with word boundaries.
+It is applied once, on import, and only touches that one method.
 """
 
 from __future__ import annotations
@@ -26,15 +29,19 @@ def apply() -> None:
         return
 
     def modification(self, subgraph_buffer, output_name, output_idx):  # type: ignore[no-untyped-def]
-        created = []
         kernel_group_cls = cpp_codegen.KernelGroup
+
+        block_vars = self.block_vars
+        unique_names = ("flexpage_cur_q_split_size", "flexpage_cur_kv_split_size")
 
         class RecordingKernelGroup(kernel_group_cls):  # type: ignore[misc, valid-type]
             def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
                 super().__init__(*args, **kwargs)
-                created.append(self)
+                # name the block-size symbols up front: KernelArgs would call them ks{len(sizevars)},
+                # which can equal the k{symbol} name of a size variable the template pre-registers
+                for symbol, unique in zip(block_vars, unique_names):
+                    self.args.sizevars[symbol] = unique
 
-        block_vars = self.block_vars
         # symbols that never occur, so the original's str.replace finds nothing to corrupt
         self.block_vars = (sympy.Symbol("flexpage_unused_q"), sympy.Symbol("flexpage_unused_kv"))
         cpp_codegen.KernelGroup = RecordingKernelGroup
@@ -43,10 +50,8 @@ def apply() -> None:
         finally:
             cpp_codegen.KernelGroup = kernel_group_cls
             self.block_vars = block_vars
-        sizevars = created[-1].args.sizevars
-        for symbol, runtime_name in zip(block_vars, ("cur_qSplitSize", "cur_kvSplitSize")):
-            if symbol in sizevars:
-                code = re.sub(rf"\b{re.escape(sizevars[symbol])}\b", runtime_name, code)
+        for unique, runtime_name in zip(unique_names, ("cur_qSplitSize", "cur_kvSplitSize")):
+            code = re.sub(rf"\b{unique}\b", runtime_name, code)
         return code
 
     modification._flexpage_fixed = True  # type: ignore[attr-defined]

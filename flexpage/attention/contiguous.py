@@ -103,7 +103,16 @@ def _contiguous_attention(
 
 
 _inductor_fix.apply()
-_compiled_contiguous_attention = torch.compile(_contiguous_attention, dynamic=True, fullgraph=True)
+# static by default (floats such as a soft-cap stay constants), with the per-call sizes marked dynamic
+_compiled_contiguous_attention = torch.compile(_contiguous_attention, dynamic=False, fullgraph=True)
+
+
+def _mark_dynamic(q: Tensor, k: Tensor, v: Tensor, mask: ContiguousMask, layout: RowLayout) -> None:
+    for t, dims in ((q, (0, 2)), (k, (0, 2)), (v, (0, 2)), (layout.valid, (0, 1)), (layout.shift, (0,)),
+                    (mask.kv_num_blocks, (0, 2)), (mask.kv_indices, (0, 2, 3)),
+                    (mask.full_kv_num_blocks, (0, 2)), (mask.full_kv_indices, (0, 2, 3))):
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
 def contiguous_attention(
@@ -113,7 +122,8 @@ def contiguous_attention(
     """q: [B, H, L, D]; k, v: [B, H_kv, S, D] -> [B, H, L, D]."""
     mask = mask or build_contiguous_mask(layout, q.shape[2], recipe)
     fn = _compiled_contiguous_attention if compile else _contiguous_attention
-    # kv_indices must span the whole key length for the CPU kernel
+    if compile:
+        _mark_dynamic(q, k, v, mask, layout)
     return fn(
         q, k, v, mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
         layout.valid, layout.shift, torch.tensor(layout.q_offset), torch.tensor(layout.kv_offset),

@@ -108,6 +108,7 @@ def write_kv(
     check_arg(tuple(key.shape) == expected, "key", tuple(key.shape), f"shape {expected} (tokens, kv heads, head dim)")
     check_arg(tuple(value.shape) == expected, "value", tuple(value.shape), f"shape {expected}")
     check_arg(key.dtype == k_pool.dtype, "key.dtype", key.dtype, f"the pool dtype {k_pool.dtype}")
+    check_arg(value.dtype == v_pool.dtype, "value.dtype", value.dtype, f"the pool dtype {v_pool.dtype}")
     # [T, H, D] -> [H, T, D] so one index_copy_ along the slot axis stores every head
     k_pool[0].index_copy_(1, slots, key.transpose(0, 1))
     v_pool[0].index_copy_(1, slots, value.transpose(0, 1))

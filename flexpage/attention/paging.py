@@ -272,5 +272,6 @@ def _compact(selected: Tensor, table: Tensor, num_pages: int) -> tuple[Tensor, T
     counts = selected.sum(-1, dtype=torch.int32)
     # only the first ``counts`` entries are ever read, so the tail can stay uninitialised
     out = torch.zeros(*ids.shape[:2], num_pages, dtype=torch.int32)
-    out[..., : ids.shape[-1]] = ids
+    width = min(ids.shape[-1], num_pages)  # selected pages come first and are distinct
+    out[..., :width] = ids[..., :width]
     return counts[:, None], out[:, None]

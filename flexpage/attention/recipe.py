@@ -88,13 +88,19 @@ class Recipe:
 
     ``mask_mod=None`` means no mask at all (bidirectional); most recipes include the
     causal mask explicitly. ``block_rule`` must describe ``mask_mod`` (see :class:`BlockRule`);
-    the default :func:`unknown_rule` is always correct but visits every page of a sequence.
+    left out, it is :func:`causal_rule` for the causal mask and otherwise
+    :func:`unknown_rule`, which is always correct but visits every page of a sequence.
     """
 
     name: str
     mask_mod: MaskMod | None = causal_mask
     score_mod: ScoreMod | None = None
-    block_rule: BlockRule = causal_rule
+    block_rule: BlockRule | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_rule is None:
+            rule = causal_rule if self.mask_mod is causal_mask else unknown_rule
+            object.__setattr__(self, "block_rule", rule)
 
 
 def and_masks(*mods: MaskMod) -> MaskMod:

@@ -1,0 +1,321 @@
+"""Paged attention (flexpage.attention) against a float64 dense reference.
+
+Specification, in the style of vLLM's ``tests/v1/attention/test_attention_backends.py``:
+for every named batch spec (``seq_lens`` = tokens in the pool after the step,
+``query_lens`` = new tokens this step), one :class:`FlexRunner` call over the whole batch
+-- decode rows and prefill rows together -- returns, for every new token, the attention
+of that token over its own sequence's keys in logical order, however the pool's pages
+are shuffled, shared between sequences or filled with garbage elsewhere.
+
+* the physical pages of each sequence come from ``torch.randperm`` (never contiguous);
+* some sequences share prefix pages (same physical page at the same logical index);
+* every slot that no sequence owns, the null page 0 included, holds random garbage;
+* the new tokens' K/V is stored with ``write_kv`` at the slots the batch plan computes.
+
+Compile cost: each (dtype, heads, head_dim) x {decode, prefill} is one compiled kernel.
+All specs use the same pool and block-table width, keep >= 2 rows per group (a group of
+one row is a separate 0/1-specialised kernel) and give every prefill group a chunk longer
+than 32 tokens (so every prefill group gets the same query block), so the specs share
+kernels instead of each compiling its own.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention_reference import (
+    BatchSpec,
+    Geometry,
+    PagedCase,
+    dense_causal_attention,
+    expected_positions_and_slots,
+    make_block_tables,
+    reference_paged_attention,
+    rel_err,
+)
+from flexpage.attention.flex import FlexRunner
+from flexpage.attention.paging import build_paged_batch
+from recipes.causal import causal
+
+pytestmark = pytest.mark.usefixtures("compile_budget", "single_torch_thread")
+
+PAGE_SIZE = 16
+NUM_PAGES = 48  # page 0 is the null page
+TABLE_WIDTH = 8  # pages per block-table row: up to 128 tokens per sequence
+
+# ---- batch specs ---------------------------------------------------------------------
+
+PREFILL_ONLY = BatchSpec(
+    "prefill_only",  # fresh prompts, no cached context; 48/64 fill whole pages, 33/17 spill one token
+    seq_lens=(48, 33, 64, 17),
+    query_lens=(48, 33, 64, 17),
+)
+CHUNKED_PREFILL = BatchSpec(
+    "chunked_prefill",  # prefill chunks after cached context (40 / 16 = one exact page / 63 = one short of 4)
+    seq_lens=(80, 50, 96),
+    query_lens=(40, 34, 33),
+    shared_prefix=((0, 1, 1), (0, 2, 2)),
+)
+DECODE_ONLY = BatchSpec(
+    "decode_only",  # one new token each: a 1-token prompt, the last slot of a page, the first of a new one
+    seq_lens=(1, 16, 17, 32, 33, 100),
+    query_lens=(1, 1, 1, 1, 1, 1),
+    shared_prefix=((3, 4, 1), (4, 5, 2)),
+)
+MIXED = BatchSpec(
+    "mixed",  # vLLM's [32,40,48,56] / [1,1,5,5] plus two long chunks, decode and prefill in ONE call
+    seq_lens=(32, 40, 48, 56, 96, 33),
+    query_lens=(1, 1, 5, 5, 40, 33),
+    shared_prefix=((0, 1, 1), (1, 4, 2)),
+)
+SPECS = [PREFILL_ONLY, CHUNKED_PREFILL, DECODE_ONLY, MIXED]
+
+
+# ---- model geometries: every spec on the main one, the mixed spec (both group kinds) on the others
+
+FP32_GQA_D64 = Geometry("fp32-gqa8/2-d64", torch.float32, 8, 2, 64, 1e-5)
+FP32_MQA_D128 = Geometry("fp32-mqa4/1-d128", torch.float32, 4, 1, 128, 1e-5)
+BF16_GQA_D256 = Geometry("bf16-gqa4/2-d256", torch.bfloat16, 4, 2, 256, 2e-2)
+
+CASES = [(FP32_GQA_D64, spec) for spec in SPECS] + [(g, MIXED) for g in (FP32_MQA_D128, BF16_GQA_D256)]
+
+
+def causal_case(spec: BatchSpec, geometry: Geometry, *, seed: int = 0) -> PagedCase:
+    return PagedCase(spec, geometry, causal(), page_size=PAGE_SIZE, num_pages=NUM_PAGES, width=TABLE_WIDTH, seed=seed)
+
+
+# ---- the reference itself ----------------------------------------------------------------
+
+
+def test_reference_equals_sdpa_for_one_contiguous_causal_sequence():
+    """Sanity of the test oracle: pages 1..4 in order, GQA 4/2, agrees with SDPA(is_causal)."""
+    g = torch.Generator().manual_seed(1)
+    seq_len, heads, kv_heads, dim = 64, 4, 2, 32
+    k_pool = torch.randn(1, kv_heads, 5 * PAGE_SIZE, dim, generator=g)
+    v_pool = torch.randn(1, kv_heads, 5 * PAGE_SIZE, dim, generator=g)
+    q = torch.randn(seq_len, heads, dim, generator=g)
+    table = torch.tensor([[1, 2, 3, 4]])
+    ref = reference_paged_attention(q, k_pool, v_pool, table, [seq_len], [seq_len], page_size=PAGE_SIZE)
+    sdpa = dense_causal_attention(q.transpose(0, 1), k_pool[0, :, 16:80], v_pool[0, :, 16:80])
+    torch.testing.assert_close(ref, sdpa.transpose(0, 1), rtol=1e-12, atol=1e-12)
+
+
+# ---- the batch plan ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_batch_plan_positions_and_slots(spec: BatchSpec):
+    """Every new token's logical position and pool slot follow its sequence's block table."""
+    g = torch.Generator().manual_seed(0)
+    tables = make_block_tables(spec, page_size=PAGE_SIZE, num_pages=NUM_PAGES, width=TABLE_WIDTH, generator=g)
+    seq_lens, query_lens = spec.tensors()
+    batch = build_paged_batch(tables, seq_lens, query_lens, page_size=PAGE_SIZE, num_pages=NUM_PAGES, recipe=causal())
+    positions, slots = expected_positions_and_slots(spec, tables, PAGE_SIZE)
+    assert batch.num_tokens == spec.num_tokens
+    assert torch.equal(batch.positions.long(), positions)
+    assert torch.equal(batch.slots.long(), slots)
+    assert len(set(slots.tolist())) == len(slots), "two new tokens written to one slot"
+    # decode rows and prefill rows are planned as separate groups, but within one batch
+    kinds = {"decode" if g.q_len == 1 else "prefill" for g in batch.groups}
+    expected = {"decode" if q == 1 else "prefill" for q in spec.query_lens}
+    assert kinds == expected
+    # every new token appears in exactly one group row
+    index = torch.cat([g.token_index.flatten() for g in batch.groups])
+    assert sorted(index[index < spec.num_tokens].tolist()) == list(range(spec.num_tokens))
+
+
+def test_shared_page_at_two_logical_indices_is_rejected():
+    """A physical page shared by two sequences must hold the same positions in both."""
+    tables = torch.tensor([[3, 4, 0], [5, 3, 0]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"block_tables: physical page 3 appears at logical pages"):
+        build_paged_batch(tables, torch.tensor([32, 32]), torch.tensor([1, 1]), page_size=PAGE_SIZE,
+                          num_pages=NUM_PAGES, recipe=causal())
+
+
+# ---- compiled and eager outputs vs the reference ----------------------------------------------
+
+
+@pytest.mark.parametrize(("geometry", "spec"), CASES, ids=lambda x: str(x))
+def test_compiled_paged_attention_matches_reference(geometry: Geometry, spec: BatchSpec):
+    step = causal_case(spec, geometry)
+    out = step.run(compile=True)
+    assert out.shape == step.q.shape and out.dtype == geometry.dtype
+    err = rel_err(out, step.reference())
+    assert err < geometry.tol, f"{geometry} {spec}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize(("geometry", "spec"), CASES, ids=lambda x: str(x))
+def test_eager_paged_attention_matches_reference(geometry: Geometry, spec: BatchSpec):
+    """``FlexRunner(compile=False)`` runs the same program unfused; eager mode visits every slot."""
+    step = causal_case(spec, geometry)
+    err = rel_err(step.run(compile=False), step.reference())
+    assert err < geometry.tol, f"{geometry} {spec}: relative error {err:.2e}"
+
+
+def test_eager_paged_attention_with_explicit_scale():
+    step = causal_case(MIXED, FP32_GQA_D64, seed=3)
+    err = rel_err(step.run(compile=False, scale=0.3), step.reference(scale=0.3))
+    assert err < 1e-5
+
+
+def test_slots_outside_the_block_tables_are_never_read():
+    """Rewriting every slot no sequence owns (null page, free pages, slots past seq_len) changes nothing."""
+    step = causal_case(MIXED, FP32_GQA_D64, seed=5)
+    before = step.run()
+    owned = torch.zeros(NUM_PAGES * PAGE_SIZE, dtype=torch.bool)
+    for row, seq_len in enumerate(MIXED.seq_lens):
+        for pos in range(seq_len):
+            owned[int(step.block_tables[row, pos // PAGE_SIZE]) * PAGE_SIZE + pos % PAGE_SIZE] = True
+    for pool in (step.k_pool, step.v_pool):
+        pool[0, :, ~owned] = 1e4  # huge values would dominate any softmax they leaked into
+    after = step.run()
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+def test_sequences_sharing_prefix_pages_see_the_same_prefix():
+    """Two decode rows whose first two pages are the same physical pages, given the same new
+    token (same q, same K/V at position 32, stored on different pages), produce the same output."""
+    spec = BatchSpec("twins", seq_lens=(33, 33, 17), query_lens=(1, 1, 1), shared_prefix=((0, 1, 2),))
+    step = causal_case(spec, FP32_GQA_D64, seed=7)
+    assert torch.equal(step.block_tables[0, :2], step.block_tables[1, :2])
+    assert step.block_tables[0, 2] != step.block_tables[1, 2]
+    slots = step.batch.slots
+    for pool in (step.k_pool, step.v_pool):
+        pool[0, :, slots[1]] = pool[0, :, slots[0]]
+    step.q[1] = step.q[0]
+    out = step.run()
+    torch.testing.assert_close(out[1], out[0], rtol=0, atol=0)
+    assert rel_err(out, step.reference()) < 1e-5
+
+
+@pytest.mark.parametrize("spec", [DECODE_ONLY, CHUNKED_PREFILL], ids=str)
+def test_unbucketed_plan_matches_reference(spec: BatchSpec):
+    """``bucket=False`` (row counts and query lengths not rounded to powers of two) is the same attention."""
+    case = causal_case(spec, FP32_GQA_D64, seed=13)
+    seq_lens, query_lens = spec.tensors()
+    batch = build_paged_batch(case.block_tables, seq_lens, query_lens, page_size=PAGE_SIZE, num_pages=NUM_PAGES,
+                              recipe=causal(), bucket=False)
+    assert [g.rows for g in batch.groups] == [spec.num_seqs]
+    out = FlexRunner(causal())(case.q, case.k_pool, case.v_pool, batch)
+    assert rel_err(out, case.reference()) < 1e-5
+
+
+def test_eager_multi_head_attention_without_gqa():
+    """Equal q and kv head counts (``enable_gqa`` off), head dim 256, eager only."""
+    case = causal_case(MIXED, Geometry("fp32-mha2/2-d256", torch.float32, 2, 2, 256, 1e-5), seed=17)
+    assert rel_err(case.run(compile=False), case.reference()) < 1e-5
+
+
+def test_block_table_wider_than_the_pool_is_planned():
+    """Block tables padded with the null page beyond the pool's page count still plan and run.
+
+    BUG (flexpage/attention/paging.py, ``_compact``): ``out[..., : ids.shape[-1]] = ids`` with
+    ``out`` only ``num_pages`` wide fails with a shape RuntimeError when the table row is wider
+    than the pool (here 6 entries, 4 pages); the selected pages (always <= num_pages, they are
+    distinct) come first, so copying the first ``min(width, num_pages)`` columns is enough.
+    """
+    spec = BatchSpec("wide", seq_lens=(20, 5), query_lens=(1, 5))
+    case = PagedCase(spec, FP32_GQA_D64, causal(), page_size=PAGE_SIZE, num_pages=4, width=6, seed=19)
+    assert rel_err(case.run(compile=False), case.reference()) < 1e-5
+
+
+# ---- bad input: ValueError naming the argument and both values --------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_step() -> PagedCase:
+    return causal_case(MIXED, FP32_GQA_D64, seed=11)
+
+
+def test_q_with_wrong_token_count_is_rejected(small_step: PagedCase):
+    q = small_step.q[:-1]
+    with pytest.raises(ValueError, match=rf"q: got \({q.shape[0]}, 8, 64\), expected \[num_tokens={MIXED.num_tokens},"):
+        FlexRunner(causal())(q, small_step.k_pool, small_step.v_pool, small_step.batch)
+
+
+def test_q_with_wrong_rank_is_rejected(small_step: PagedCase):
+    q = small_step.q[None]
+    with pytest.raises(ValueError, match=r"q: got \(1, 85, 8, 64\), expected \[num_tokens=85"):
+        FlexRunner(causal())(q, small_step.k_pool, small_step.v_pool, small_step.batch)
+
+
+def test_q_head_dim_must_match_pool(small_step: PagedCase):
+    q = small_step.q[..., :32]
+    with pytest.raises(ValueError, match=r"q head_dim: got 32, expected the pool's head_dim 64"):
+        FlexRunner(causal())(q, small_step.k_pool, small_step.v_pool, small_step.batch)
+
+
+def test_q_dtype_must_match_pool(small_step: PagedCase):
+    q = small_step.q.bfloat16()
+    with pytest.raises(ValueError, match=r"q.dtype: got torch.bfloat16, expected the pool dtype torch.float32"):
+        FlexRunner(causal())(q, small_step.k_pool, small_step.v_pool, small_step.batch)
+
+
+def test_q_heads_must_be_a_multiple_of_kv_heads(small_step: PagedCase):
+    q = small_step.q[:, :3]
+    with pytest.raises(ValueError, match=r"q heads: got 3, expected a multiple of the pool's 2 kv heads"):
+        FlexRunner(causal())(q, small_step.k_pool, small_step.v_pool, small_step.batch)
+
+
+def test_pool_must_match_the_batch_plan(small_step: PagedCase):
+    k, v = small_step.k_pool[:, :, :-PAGE_SIZE], small_step.v_pool[:, :, :-PAGE_SIZE]
+    with pytest.raises(ValueError, match=rf"k_pool slots: got {(NUM_PAGES - 1) * PAGE_SIZE}, expected {NUM_PAGES} pages x {PAGE_SIZE}"):
+        FlexRunner(causal())(small_step.q, k, v, small_step.batch)
+
+
+def _plan(tables, seq_lens, query_lens):
+    return build_paged_batch(
+        torch.tensor(tables, dtype=torch.int32), torch.tensor(seq_lens), torch.tensor(query_lens),
+        page_size=PAGE_SIZE, num_pages=NUM_PAGES, recipe=causal(),
+    )
+
+
+def test_block_table_entries_outside_the_pool_are_rejected():
+    with pytest.raises(ValueError, match=rf"block_tables: got 'page ids in \[0, {NUM_PAGES}\]', expected ids in \[0, {NUM_PAGES - 1}\]"):
+        _plan([[1, 2, 0], [NUM_PAGES, 0, 0]], [20, 5], [1, 1])
+    with pytest.raises(ValueError, match=r"block_tables: got 'page ids in \[-1, 2\]', expected ids in \[0, "):
+        _plan([[1, 2, 0], [-1, 0, 0]], [20, 5], [1, 1])
+
+
+def test_sequence_longer_than_its_blocks_is_rejected():
+    """seq_len 40 needs 3 pages; the row's third entry is the null page 0."""
+    with pytest.raises(ValueError, match=r"block_tables: row 1 has seq_lens 40, which needs 3 pages, but its page 2 is the null page 0"):
+        _plan([[1, 0, 0], [2, 3, 0]], [16, 40], [1, 1])
+
+
+def test_sequence_longer_than_the_table_row_is_rejected():
+    with pytest.raises(ValueError, match=r"seq_lens: got 'max 49', expected <= the 48 slots of 3 pages per block table row"):
+        _plan([[1, 2, 3], [4, 5, 6]], [48, 49], [1, 1])
+
+
+def test_query_lens_longer_than_seq_lens_are_rejected():
+    with pytest.raises(ValueError, match=r"query_lens: got 6, expected <= seq_lens \(5\)"):
+        _plan([[1, 0], [2, 0]], [20, 5], [1, 6])
+
+
+def test_query_lens_zero_is_rejected():
+    with pytest.raises(ValueError, match=r"query_lens: got 'min 0', expected at least one new token per sequence"):
+        _plan([[1, 0], [2, 0]], [20, 5], [1, 0])
+
+
+def test_lengths_must_have_one_entry_per_row():
+    with pytest.raises(ValueError, match=r"seq_lens: got \(3,\), expected shape \(2,\)"):
+        _plan([[1, 0], [2, 0]], [20, 5, 4], [1, 1])
+    with pytest.raises(ValueError, match=r"query_lens: got \(1,\), expected shape \(2,\)"):
+        _plan([[1, 0], [2, 0]], [20, 5], [1])
+
+
+def test_float_block_tables_are_rejected():
+    with pytest.raises(ValueError, match=r"block_tables.dtype: got torch.float32, expected an integer dtype"):
+        build_paged_batch(torch.tensor([[1.0]]), torch.tensor([3]), torch.tensor([1]), page_size=PAGE_SIZE,
+                          num_pages=NUM_PAGES, recipe=causal())
+
+
+def test_compiled_decode_with_more_rows_than_the_page_size():
+    """Regression: 33 decode rows and a 33-page-wide table once named two kernel bounds alike
+    (a PyTorch CPU-template size-symbol clash) and indexed out of bounds."""
+    spec = BatchSpec("decode-33", seq_lens=tuple(100 + 16 * i for i in range(33)), query_lens=(1,) * 33)
+    step = PagedCase(spec, FP32_GQA_D64, causal(), page_size=16, num_pages=1200, width=64)
+    err = rel_err(step.run(compile=True), step.reference())
+    assert err < FP32_GQA_D64.tol, f"relative error {err:.2e}"
