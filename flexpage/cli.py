@@ -48,9 +48,13 @@ def generate(
     except ValueError as error:
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2) from error
-    with console.status("loading model"):
-        llm = LLM(model, dtype=dtype, block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
-                  compile=not eager)
+    try:
+        with console.status("loading model"):
+            llm = LLM(model, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
+                      kv_cache_memory=kv_cache_memory, compile=not eager)
+    except ValueError as error:
+        console.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2) from error
     start = time.perf_counter()
     with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
@@ -81,6 +85,60 @@ def generate(
         f"KV utilisation {stats['kv_utilization']:.1%} | prefix-cache hits {stats['prefix_cache_hits']} tokens "
         f"({stats['prefix_cache_hit_rate']:.0%}) | preemptions {stats['preemptions']}"
     )
+
+
+@app.command()
+def serve(
+    model: Optional[str] = typer.Option(None, help="HF folder or .gguf; default SmolLM2-135M-Instruct."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 for every interface)."),
+    port: int = typer.Option(8000, help="TCP port."),
+    api_key: Optional[str] = typer.Option(None, envvar="FLEXPAGE_API_KEY", show_envvar=True,
+                                          help="Require 'Authorization: Bearer KEY' on /v1/* "
+                                               "(not on /health, /metrics)."),
+    served_model_name: Optional[str] = typer.Option(None, help="Model id clients send; default: the model folder "
+                                                               "name."),
+    max_model_len: Optional[int] = typer.Option(None, help="Longest prompt + completion in tokens; default from the "
+                                                           "model (at most 8192)."),
+    block_size: int = typer.Option(16, help="Tokens per KV block."),
+    kv_cache_memory: Optional[str] = typer.Option(None, help="KV pool size, e.g. 512MiB, 2GiB [default: 1GiB]."),
+    num_blocks: Optional[int] = typer.Option(None, help="KV pool size in blocks (instead of --kv-cache-memory)."),
+    max_num_seqs: int = typer.Option(16, help="Sequences batched at once (16 until the >16-row prefill kernel "
+                                              "bug is fixed, see docs/serving.md)."),
+    max_num_batched_tokens: int = typer.Option(1024, help="Tokens computed per step (chunked-prefill budget)."),
+    dtype: str = typer.Option("auto", help="auto | bfloat16 | float16 | float32."),
+    eager: bool = typer.Option(False, help="Run attention without torch.compile (no compile wait; slow, debugging)."),
+    no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable KV reuse across requests."),
+    swap_space: str = typer.Option("0", help="Host memory for preemption by swapping, e.g. 1GiB."),
+    preemption_mode: str = typer.Option("recompute", help="recompute | swap (needs --swap-space)."),
+    seed: int = typer.Option(0, help="Seed of the engine's shared RNG (unseeded requests)."),
+    max_request_body: str = typer.Option("4MiB", help="Largest request body accepted; larger ones get 413."),
+    drain_timeout: float = typer.Option(30.0, help="Seconds Ctrl-C waits for in-flight requests before aborting them."),
+    warmup: bool = typer.Option(True, help="Run one tiny request before listening (compiles kernels)."),
+    log_level: str = typer.Option("warning", help="critical | error | warning | info | debug."),
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
+    from rich.console import Console
+
+    from flexpage.server.main import ServeSettings, run_server
+
+    if kv_cache_memory is not None and num_blocks is not None:
+        Console(stderr=True).print("[red]error:[/red] give either --kv-cache-memory or --num-blocks, not both")
+        raise typer.Exit(2)
+    settings = ServeSettings(
+        model=model, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
+        max_model_len=max_model_len, block_size=block_size, kv_cache_memory=kv_cache_memory or "1GiB",
+        num_blocks=num_blocks,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, eager=eager,
+        enable_prefix_caching=not no_prefix_caching, swap_space=swap_space, preemption_mode=preemption_mode,
+        seed=seed, max_request_body=max_request_body, drain_timeout=drain_timeout, warmup=warmup,
+        log_level=log_level,
+    )
+    try:
+        code = run_server(settings)
+    except ValueError as error:
+        Console(stderr=True).print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2) from error
+    raise typer.Exit(code)
 
 
 def main() -> None:

@@ -86,6 +86,9 @@ def _group_attention(
 
 
 _inductor_fix.apply()
+# one code object serves every recipe, group kind and 0/1 specialisation (see docs/architecture.md:
+# 6 kernels per recipe, two recipes for Gemma-style models): above Dynamo's default limit of 8
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 _compiled_group_attention = torch.compile(_group_attention, dynamic=False, fullgraph=True)
 
 

@@ -211,7 +211,8 @@ def _build_group(
     max_q = int(query_lens[rows].max())
     num_rows = next_power_of_two(n) if bucket else n
     q_len = next_power_of_two(max_q) if bucket else max_q
-    q_block = min(q_block, q_len)
+    # a fixed query block per group (short chunks are padded up to it): a changing block
+    # size would be one more compiled kernel each time
     q_len = -(-q_len // q_block) * q_block
     pad = num_rows - n
     width = block_tables.shape[1]

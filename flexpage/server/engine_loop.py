@@ -1,0 +1,278 @@
+"""One thread owns the engine; HTTP handlers talk to it through queues.
+
+The engine is not thread-safe and ``step()`` blocks for tens of milliseconds of compute,
+so it lives in a dedicated thread (``flexpage-engine``). That thread is the only code
+that ever touches the :class:`~flexpage.engine.LLMEngine`:
+
+* handlers (on the asyncio loop) call :meth:`EngineLoop.add` / :meth:`EngineLoop.abort`,
+  which only put a command on a thread-safe queue;
+* between two steps the thread drains the command queue (``add_request`` / ``abort``),
+  runs one ``step()`` over every live request of every connection, and pushes each
+  request's progress to its own unbounded ``asyncio.Queue`` with
+  ``loop.call_soon_threadsafe``. It never waits for a client, so a slow reader only
+  grows its own queue;
+* progress is handed over as immutable snapshots (:class:`Delta`): the engine keeps
+  mutating its ``CompletionOutput`` objects after ``step()`` returns, so they must not be
+  read from another thread.
+
+The thread also refreshes :attr:`EngineLoop.stats` (a fresh dict from ``engine.stats()``)
+for ``/metrics`` and observes the latency histograms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from flexpage.outputs import Logprob, RequestOutput
+
+__all__ = ["Accepted", "Delta", "EngineLoop", "Failed", "SampleDelta", "Sink"]
+
+log = logging.getLogger("flexpage.server")
+
+
+@dataclass(frozen=True)
+class SampleDelta:
+    """New progress of one sample (choice) of a request."""
+
+    index: int
+    text: str  # the whole text so far (str is immutable, so sharing it is safe)
+    token_ids: tuple[int, ...]  # tokens added since the previous delta
+    logprobs: tuple[dict[int, Logprob], ...] | None  # entries for those tokens
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass(frozen=True)
+class Delta:
+    tag: Any
+    samples: tuple[SampleDelta, ...]
+    finished: bool
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Accepted:
+    tag: Any
+
+
+@dataclass(frozen=True)
+class Failed:
+    """``add_request`` refused the request (``client_error``) or the engine failed / shut down."""
+
+    tag: Any
+    message: str
+    client_error: bool = False
+    param: str | None = None
+
+
+@dataclass
+class Sink:
+    """Where one request's progress goes: an asyncio queue on a given loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+@dataclass
+class _Live:
+    sink: Sink
+    tag: Any
+    arrival: float
+    num_prompt_tokens: int = 0
+    sent_tokens: dict[int, int] = field(default_factory=dict)
+    sent_finished: set[int] = field(default_factory=set)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+class EngineLoop:
+    """Runs ``engine`` in its own thread; see the module docstring."""
+
+    def __init__(self, engine: Any, metrics: Any = None, *, stats_interval: float = 0.1,
+                 thread_init: Any = None) -> None:
+        self.engine = engine
+        self.thread_init = thread_init  # run first in the engine thread (per-thread torch settings)
+        self.metrics = metrics
+        self.stats: dict[str, float] = engine.stats()  # the thread is not running yet
+        self.stats_interval = stats_interval
+        self.fatal_errors = 0
+        self.steps = 0
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="flexpage-engine", daemon=True)
+
+    # -- called from other threads --------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def add(self, request_id: str, prompt: Any, params: Any, sink: Sink, *, tag: Any = None,
+            arrival: float | None = None) -> None:
+        """Queue a request; ``sink`` gets :class:`Accepted` or :class:`Failed`, then :class:`Delta` items."""
+        self._commands.put(("add", request_id, prompt, params, sink, tag,
+                            time.monotonic() if arrival is None else arrival))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (idempotent; unknown or finished ids are ignored)."""
+        self._commands.put(("abort", request_id))
+
+    def abort_all(self, message: str = "the server is shutting down") -> None:
+        """Abort every live request; each gets a :class:`Failed` item."""
+        self._commands.put(("abort_all", message))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort what is left, end the thread and wait for it (bounded)."""
+        self._commands.put(("stop",))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- the engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        if self.thread_init is not None:
+            self.thread_init()
+        last_stats = 0.0
+        while True:
+            busy = self.engine.has_unfinished_requests()
+            handled = False
+            try:
+                command = self._commands.get(block=not busy, timeout=None if busy else 0.5)
+            except queue.Empty:
+                command = None
+            while command is not None:
+                handled = True
+                if command[0] == "stop":
+                    self._abort_all("the server is shutting down")
+                    self._refresh_stats()
+                    return
+                self._handle(command)
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    command = None
+            if self.engine.has_unfinished_requests():
+                try:
+                    outputs = self.engine.step()
+                except Exception as error:  # a bug in the engine: fail what is in flight, keep serving
+                    self.fatal_errors += 1
+                    log.error("engine step failed:\n%s", traceback.format_exc())
+                    self._abort_all(f"internal engine error: {type(error).__name__}: {error}")
+                    outputs = []
+                self.steps += 1
+                for out in outputs:
+                    self._dispatch(out)
+            now = time.monotonic()
+            if handled or now - last_stats >= self.stats_interval or not self.engine.has_unfinished_requests():
+                self._refresh_stats()
+                last_stats = now
+
+    def _refresh_stats(self) -> None:
+        try:
+            self.stats = self.engine.stats()
+        except Exception:  # pragma: no cover - stats must never take the loop down
+            log.exception("engine.stats() failed")
+
+    def _handle(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, request_id, prompt, params, sink, tag, arrival = command
+            try:
+                self.engine.add_request(prompt, params, request_id)
+            except ValueError as error:
+                sink.put(Failed(tag, str(error), client_error=True, param=_param_of(str(error))))
+                return
+            except Exception as error:  # noqa: BLE001 - reported to the client as a 500
+                log.error("add_request failed:\n%s", traceback.format_exc())
+                sink.put(Failed(tag, f"internal error: {type(error).__name__}: {error}"))
+                return
+            request = self.engine.requests.get(request_id)
+            live = _Live(sink, tag, arrival, num_prompt_tokens=len(request.prompt_token_ids) if request else 0)
+            self._live[request_id] = live
+            sink.put(Accepted(tag))
+        elif kind == "abort":
+            live = self._live.pop(command[1], None)
+            if live is not None and self._abort_engine(command[1]) and self.metrics is not None:
+                self.metrics.observe_finish("abort")
+        elif kind == "abort_all":
+            self._abort_all(command[1])
+
+    def _abort_engine(self, request_id: str) -> bool:
+        try:
+            return self.engine.abort(request_id)
+        except Exception:  # noqa: BLE001
+            log.error("abort(%s) failed:\n%s", request_id, traceback.format_exc())
+            return False
+
+    def _abort_all(self, message: str) -> None:
+        for request_id, live in list(self._live.items()):
+            if self._abort_engine(request_id) and self.metrics is not None:
+                self.metrics.observe_finish("abort")
+            live.sink.put(Failed(live.tag, message))
+        self._live.clear()
+
+    def _dispatch(self, out: RequestOutput) -> None:
+        live = self._live.get(out.request_id)
+        if live is None:
+            return
+        now = time.monotonic()
+        samples = []
+        grew = False
+        for sample in out.outputs:
+            sent = live.sent_tokens.get(sample.index, 0)
+            count = len(sample.token_ids)
+            finished = sample.finish_reason is not None
+            if count == sent and (not finished or sample.index in live.sent_finished):
+                continue
+            grew = grew or count > sent
+            new_logprobs = None
+            if sample.logprobs is not None:
+                new_logprobs = tuple(dict(entry) for entry in sample.logprobs[sent:count])
+            samples.append(SampleDelta(sample.index, sample.text, tuple(sample.token_ids[sent:count]), new_logprobs,
+                                       sample.finish_reason, sample.stop_reason))
+            live.sent_tokens[sample.index] = count
+            if finished:
+                live.sent_finished.add(sample.index)
+        if self.metrics is not None and grew:
+            if live.first_token_time is None:
+                self.metrics.ttft.observe(now - live.arrival)
+            else:
+                self.metrics.itl.observe(now - live.last_token_time)
+        if grew:
+            live.first_token_time = live.first_token_time or now
+            live.last_token_time = now
+        if samples or out.finished:
+            live.sink.put(Delta(live.tag, tuple(samples), out.finished, len(out.prompt_token_ids),
+                                out.num_cached_tokens))
+        if out.finished:
+            del self._live[out.request_id]
+            if self.metrics is not None:
+                self.metrics.observe_finish(out.outputs[0].finish_reason if out.outputs else None)
+                self.metrics.e2e.observe(now - live.arrival)
+
+
+_PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "ignore_eos",
+                "logprobs", "skip_special_tokens", "prompt", "prompt_token_ids")
+
+
+def _param_of(message: str) -> str | None:
+    """The field a flexpage ``ValueError`` names (its messages start with it)."""
+    head = message.split(":", 1)[0].split(" ", 1)[0]
+    return head if head in _PARAM_NAMES else None

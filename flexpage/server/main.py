@@ -1,0 +1,241 @@
+"""``flexpage serve``: load the engine, print a banner, run uvicorn, drain on Ctrl-C.
+
+Shutdown: the first SIGINT/SIGTERM starts draining: ``/v1/*`` answers 503 and ``/health``
+503 while the requests in flight finish (bounded by ``drain_timeout``; whatever is left
+then is aborted). The listening socket stays open meanwhile, so clients get a clear 503
+rather than a refused connection. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pathlib
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ServeSettings", "run_server"]
+
+log = logging.getLogger("flexpage.server")
+
+
+@dataclass
+class ServeSettings:
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: str = "1GiB"
+    num_blocks: int | None = None
+    max_num_seqs: int = 16  # see docs/serving.md, known engine bugs
+    max_num_batched_tokens: int = 1024
+    dtype: str = "auto"
+    eager: bool = False
+    enable_prefix_caching: bool = True
+    swap_space: str = "0"
+    preemption_mode: str = "recompute"
+    seed: int = 0
+    max_request_body: str = "4MiB"
+    drain_timeout: float = 30.0
+    warmup: bool = True
+    log_level: str = "warning"
+
+
+def run_server(settings: ServeSettings) -> int:
+    """Blocking: serve until a signal; returns the exit code."""
+    _raise_recompile_limit()  # before flexpage.attention creates its torch.compile wrappers
+    import uvicorn
+    from rich.console import Console
+
+    from flexpage.config import EngineConfig, parse_size
+    from flexpage.engine import LLMEngine
+    from flexpage.model.loader import load_tokenizer
+    from flexpage.server.api import ServerState, build_app
+    from flexpage.server.engine_loop import EngineLoop
+    from flexpage.server.metrics import ServerMetrics
+
+    console = Console(highlight=False)
+    logging.basicConfig(level=getattr(logging, settings.log_level.upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    max_body = parse_size(settings.max_request_body)
+    if max_body <= 0:
+        raise ValueError(f"max_request_body: got {settings.max_request_body!r}, expected a positive size")
+    config = EngineConfig(
+        model=settings.model, dtype=settings.dtype, block_size=settings.block_size, num_blocks=settings.num_blocks,
+        kv_cache_memory=settings.kv_cache_memory, swap_space=settings.swap_space,
+        max_model_len=settings.max_model_len, max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens, enable_prefix_caching=settings.enable_prefix_caching,
+        preemption_mode=settings.preemption_mode, compile=not settings.eager, seed=settings.seed,
+    )
+    start = time.perf_counter()
+    try:
+        with console.status("loading the model"):
+            engine = LLMEngine(config)
+        load_s = time.perf_counter() - start
+        warm_s = 0.0
+        if settings.warmup:
+            with console.status("warming up (compiling attention kernels)" if engine.runner.compile
+                                else "warming up"):
+                warm_s = _warmup(engine)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted during start-up[/yellow]")
+        return 130
+    served_name = settings.served_model_name or pathlib.Path(engine.model_path).name
+    engine_loop = EngineLoop(engine, thread_init=_raise_recompile_limit)
+    metrics = ServerMetrics(lambda: engine_loop.stats)
+    engine_loop.metrics = metrics
+    state = ServerState(
+        engine_loop=engine_loop, tokenizer=load_tokenizer(engine.model_path), served_model_name=served_name,
+        max_model_len=engine.max_model_len, vocab_size=engine.vocab_size, api_key=settings.api_key or None,
+        max_body_bytes=max_body, metrics=metrics,
+    )
+    app = build_app(state)
+    engine_loop.start()
+    _banner(console, settings, engine, served_name, load_s, warm_s)
+
+    uv_config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                               access_log=False, lifespan="off", loop="asyncio", http="h11",
+                               timeout_graceful_shutdown=5, timeout_keep_alive=5)
+    server = _DrainingServer(uv_config, state, settings.drain_timeout, console)
+    try:
+        server.run()
+    finally:
+        engine_loop.stop(timeout=10)
+        state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+    if not server.started:
+        console.print(f"[red]error:[/red] could not serve on {settings.host}:{settings.port}")
+        return 1
+    console.print("[green]flexpage serve stopped[/green]")
+    return 0
+
+
+def _raise_recompile_limit(limit: int = 256) -> None:
+    """Let the compiled attention specialise for more batch shapes than Dynamo's default 8.
+
+    A server sees many (rows, query length) combinations; past ``recompile_limit`` a
+    ``fullgraph=True`` function fails hard (``FailOnRecompileLimitHit``) instead of falling
+    back, which would fail every request of that step. Dynamo's config is per thread, so
+    this runs in the main thread (warm-up) and again in the engine thread.
+    """
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    if hasattr(config, "recompile_limit"):
+        config.recompile_limit = max(config.recompile_limit, limit)
+    if hasattr(config, "accumulated_recompile_limit"):
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8 * limit)
+
+
+#: Prompt lengths whose prefill lands in each query-block bucket of the paged attention
+#: (q_block 2, 4, 8, 16, 32 with one query block, and 32 with several).
+_WARMUP_LENGTHS = (2, 3, 5, 9, 17, 33)
+
+
+def _warmup(engine: Any) -> float:
+    """Compile the attention variants before listening, so clients do not pay for them.
+
+    The compiled kernel specialises on the prefill query block and on one-row groups, so
+    every length bucket runs once alone and once as a pair (each also decodes a token alone
+    and in a pair). Compiled code is cached on disk (inductor), so later starts are quicker.
+    """
+    from flexpage.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    batches = [[n] for n in _WARMUP_LENGTHS] + [[n, n] for n in _WARMUP_LENGTHS] + [[5, 23, 40]]
+    for b, lengths in enumerate(batches):
+        for i, length in enumerate(lengths):
+            engine.add_request({"prompt_token_ids": [10 + (7 * b + 3 * i + j) % 1000 for j in range(length)]}, params,
+                               f"warmup-{b}-{i}")
+        while engine.has_unfinished_requests():
+            engine.step()
+    engine.block_manager.reset_prefix_cache()
+    return time.perf_counter() - start
+
+
+def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str, load_s: float,
+            warm_s: float) -> None:
+    from rich.panel import Panel
+    from rich.table import Table
+
+    stats = engine.stats()
+    host = settings.host if ":" not in settings.host else f"[{settings.host}]"
+    url = f"http://{host}:{settings.port}"
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold cyan", no_wrap=True)
+    table.add_column()
+    table.add_row("URL", f"{url}/v1  (health {url}/health, metrics {url}/metrics)")
+    table.add_row("model", f"{served_name}  ({engine.model_path})")
+    table.add_row("dtype", str(engine.dtype).replace("torch.", ""))
+    table.add_row("KV cache", f"{int(stats['kv_capacity_tokens']):,} tokens = {int(stats['kv_blocks_total'])} blocks "
+                              f"x {engine.config.block_size}")
+    table.add_row("max model len", f"{engine.max_model_len:,} tokens; max {engine.config.max_num_seqs} sequences, "
+                                   f"{engine.config.max_num_batched_tokens} batched tokens / step")
+    table.add_row("prefix caching", "on" if engine.config.enable_prefix_caching else "off")
+    table.add_row("attention", "torch.compile (FlexAttention kernels)" if engine.runner.compile
+                  else "eager (no torch.compile)")
+    table.add_row("API key", "required" if settings.api_key else "none (open)")
+    table.add_row("startup", f"load {load_s:.1f} s, warm-up {warm_s:.1f} s")
+    console.print(Panel(table, title="[bold]flexpage serve[/bold]", subtitle="Ctrl-C drains and stops",
+                        expand=False))
+
+
+class _DrainingServer:
+    """uvicorn.Server whose first exit signal drains in-flight requests instead of cutting them."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:  # build the subclass lazily (uvicorn import)
+        import uvicorn
+
+        class DrainingServer(uvicorn.Server):
+            def __init__(self, config: Any, state: Any, drain_timeout: float, console: Any) -> None:
+                super().__init__(config)
+                self.state = state
+                self.drain_timeout = drain_timeout
+                self.console = console
+                self._loop: asyncio.AbstractEventLoop | None = None
+                self._drain_task: asyncio.Task | None = None
+
+            async def serve(self, sockets: Any = None) -> None:
+                self._loop = asyncio.get_running_loop()
+                await super().serve(sockets)
+
+            def handle_exit(self, sig: int, frame: Any) -> None:
+                # Not calling super(): uvicorn would re-raise the signal after shutdown, and the
+                # process would then die of it instead of exiting 0.
+                if self.state.draining or self._loop is None or not self.started:
+                    self.force_exit = self.state.draining
+                    self.should_exit = True
+                    return
+                self.state.draining = True
+                self._loop.call_soon_threadsafe(self._start_drain, sig)
+
+            def _start_drain(self, sig: int) -> None:
+                self._drain_task = asyncio.ensure_future(self._drain(sig))
+
+            async def _drain(self, sig: int) -> None:
+                name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+                inflight = self.state.inflight
+                self.console.print(f"[yellow]{name}: draining {inflight} in-flight request(s) "
+                                   f"(up to {self.drain_timeout:g} s; signal again to stop now)[/yellow]")
+                deadline = time.monotonic() + self.drain_timeout
+                while self.state.inflight > 0 and time.monotonic() < deadline and not self.should_exit:
+                    await asyncio.sleep(0.05)
+                if self.state.inflight > 0:
+                    self.console.print(f"[red]aborting {self.state.inflight} request(s) still running[/red]")
+                    self.state.engine_loop.abort_all()
+                    deadline = time.monotonic() + 5
+                    while self.state.inflight > 0 and time.monotonic() < deadline:
+                        await asyncio.sleep(0.05)
+                self.should_exit = True
+
+        return DrainingServer(*args, **kwargs)
+
+
+def env_api_key() -> str | None:
+    return os.environ.get("FLEXPAGE_API_KEY") or None

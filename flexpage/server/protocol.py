@@ -1,0 +1,161 @@
+"""Request bodies of the OpenAI-compatible API (pydantic, strict JSON) and the error shape.
+
+Bodies are validated with ``model_validate_json`` in strict mode: ``"5"`` is not an int,
+``1`` is not a bool, a float field accepts ints. Unknown fields are ignored (clients such as
+the ``openai`` SDK send extras), except a few that would silently change the meaning of a
+request; those are refused by :func:`unsupported_fields`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = [
+    "APIError",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "StreamOptions",
+    "error_body",
+    "validation_error",
+]
+
+
+class APIError(Exception):
+    """An error that becomes ``{"error": {message, type, param, code}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before",
+              "function-wrap", "lax-or-strict", "json-or-python"}
+
+
+def validation_error(error: ValidationError) -> APIError:
+    """The first pydantic error as a 400 ``invalid_request_error`` naming the field."""
+    first = error.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        return APIError(400, f"malformed JSON body: {first['msg']}", code="invalid_json")
+    raw_loc = [str(p) for p in first.get("loc", ())]
+    # union members and validator wrappers show up in loc ("prompt.str"): keep field names and indices
+    loc = ".".join(p for p in raw_loc if p.lower() not in _TYPE_TAGS and "[" not in p)
+    if first["type"] == "model_type" and not loc:
+        return APIError(400, "request body must be a JSON object", code="invalid_type")
+    missing = first["type"] == "missing"
+    if missing:
+        message = f"{loc}: field required"
+    elif len(raw_loc) > len(loc.split(".")) and loc:  # a union: no single member's message fits
+        message = f"{loc}: invalid type or value {_short(first.get('input'))}"
+    else:
+        message = f"{loc}: {first['msg']}" if loc else first["msg"]
+        if "input" in first and not isinstance(first["input"], dict):
+            message += f" (got {_short(first['input'])})"
+    return APIError(400, message, param=loc or None, code="missing_field" if missing else "invalid_type")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Base):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Base):
+    """Fields shared by both endpoints (OpenAI names plus vLLM's extras)."""
+
+    model: Optional[str] = None
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    # accepted only in their no-op form (see unsupported_fields)
+    logit_bias: Optional[dict[str, float]] = None
+    best_of: Optional[int] = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    echo: Optional[bool] = False
+    suffix: Optional[str] = None
+
+
+class _TextPart(_Base):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Base):
+    role: str
+    content: Optional[Union[str, list[_TextPart]]] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[Any]] = None
+    add_generation_prompt: bool = True
+
+
+def unsupported_fields(req: _SamplingFields) -> None:
+    """Refuse options this server would otherwise silently ignore."""
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of is not supported (use n)", param="best_of", code="unsupported")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo", code="unsupported")
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
+    if isinstance(req, ChatCompletionRequest) and req.tools:
+        raise APIError(400, "tools are not supported", param="tools", code="unsupported")

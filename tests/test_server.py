@@ -1,0 +1,530 @@
+"""End-to-end tests of ``flexpage serve``: a real subprocess on 127.0.0.1, driven by the
+official ``openai`` client (sync and async) and raw ``httpx`` / sockets for bad inputs.
+
+The server is started once per module (``--dtype float32``, 512 KV blocks, an API key from
+``FLEXPAGE_API_KEY``). While it starts, the offline ``LLM`` computes reference outputs in
+this process with the same dtype; greedy outputs over HTTP must equal them.
+
+``--max-num-seqs 16``: 32 concurrent clients all run through the one engine loop, 16
+sequences at a time, so admission under a full batch is exercised too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from server_fixtures import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "test-key-123"
+MODEL = "SmolLM2-135M-Instruct"
+BLOCK = 16
+MAX_MODEL_LEN = 1024
+MAX_TOKENS = 10
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "system", "content": "You answer in one word."},
+     {"role": "user", "content": "Name a fruit that is yellow."}],
+]
+TURN1 = [{"role": "user", "content": "Write a short poem about the sea."}]
+TURN1_TOKENS = 40
+STOP_PROMPT = "List three animals:\n1."
+STOP = ["\n", "3."]
+
+
+# -- fixtures ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def _started(default_model_path: Any) -> Any:
+    server = ServerProcess("--dtype", "float32", "--num-blocks", "512", "--max-num-seqs", "16",
+                           "--max-model-len", str(MAX_MODEL_LEN), "--drain-timeout", "60", api_key=API_KEY)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(_started: Any) -> dict[str, Any]:
+    """Reference outputs of the offline LLM (computed while the server starts up)."""
+    from flexpage import LLM, SamplingParams
+
+    llm = LLM(None, dtype="float32", num_blocks=512)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    completions = llm.generate(PROMPTS + [STOP_PROMPT],
+                               [greedy] * len(PROMPTS) + [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                                         stop=STOP)])
+    chats = llm.chat(CONVERSATIONS + [TURN1], [greedy] * len(CONVERSATIONS)
+                     + [SamplingParams(temperature=0.0, max_tokens=TURN1_TOKENS)])
+    return {
+        "llm": llm,
+        "completions": [o.outputs[0].text for o in completions[: len(PROMPTS)]],
+        "stop": completions[-1].outputs[0],
+        "chats": [o.outputs[0].text for o in chats[: len(CONVERSATIONS)]],
+        "turn1": chats[-1],
+    }
+
+
+@pytest.fixture(scope="module")
+def server(_started: ServerProcess, offline: Any) -> ServerProcess:
+    return _started.wait_ready(timeout=300)
+
+
+def _post(server: ServerProcess, path: str, body: Any = None, *, content: bytes | None = None,
+          headers: dict[str, str] | None = None, timeout: float = 120.0) -> httpx.Response:
+    hdrs = {**server.headers, **(headers or {})}
+    if content is None:
+        content = json.dumps(body).encode()
+        hdrs.setdefault("content-type", "application/json")
+    return httpx.post(server.base_url + path, content=content, headers=hdrs, timeout=timeout)
+
+
+def _assert_error(response: httpx.Response, status: int, *, param: str | None = None,
+                  code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param, body
+    if code is not None:
+        assert body["error"]["code"] == code, body
+    return body["error"]
+
+
+# -- one batch of greedy requests, checked by several tests --------------------------------------
+@pytest.fixture(scope="module")
+def greedy(server: ServerProcess) -> dict[str, Any]:
+    """Completions and chats, streamed and not, all in flight together."""
+    client = server.async_openai()
+
+    async def stream_completion(prompt: str, **kw: Any) -> tuple[str, Any, Any]:
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}, **kw)
+        text, finish, usage = "", None, None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage is not None:
+                usage = chunk.usage
+        return text, finish, usage
+
+    async def stream_chat(messages: list) -> tuple[str, Any, Any, list]:
+        stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS,
+                                                      temperature=0, stream=True,
+                                                      stream_options={"include_usage": True})
+        text, finish, usage, roles = "", None, None, []
+        async for chunk in stream:
+            assert chunk.object == "chat.completion.chunk"
+            if chunk.choices:
+                delta = chunk.choices[0].delta
+                if delta.role:
+                    roles.append(delta.role)
+                text += delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage is not None:
+                usage = chunk.usage
+        return text, finish, usage, roles
+
+    async def main() -> dict[str, Any]:
+        start = time.monotonic()
+        results = await asyncio.gather(
+            client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0),
+            *[stream_completion(p) for p in PROMPTS],
+            *[client.chat.completions.create(model=MODEL, messages=c, max_completion_tokens=MAX_TOKENS,
+                                             temperature=0) for c in CONVERSATIONS],
+            *[stream_chat(c) for c in CONVERSATIONS],
+            client.completions.create(model=MODEL, prompt=STOP_PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                      stop=STOP),
+            stream_completion(STOP_PROMPT, stop=STOP),
+        )
+        await client.close()
+        k, c = len(PROMPTS), len(CONVERSATIONS)
+        return {
+            "batch": results[0],
+            "streamed": results[1: 1 + k],
+            "chats": results[1 + k: 1 + k + c],
+            "streamed_chats": results[1 + k + c: 1 + k + 2 * c],
+            "stop": results[-2],
+            "stop_streamed": results[-1],
+            "seconds": time.monotonic() - start,
+        }
+
+    return asyncio.run(main())
+
+
+# -- tests ------------------------------------------------------------------------------------------
+def test_health_models_and_auth(server: ServerProcess) -> None:
+    assert httpx.get(server.base_url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.base_url + "/metrics").status_code == 200  # open without a key
+    models = httpx.get(server.base_url + "/v1/models", headers=server.headers).json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    assert server.openai().models.list().data[0].id == MODEL
+    _assert_error(httpx.get(server.base_url + "/v1/models"), 401, code="invalid_api_key")
+    _assert_error(httpx.get(server.base_url + "/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+    _assert_error(_post(server, "/v1/completions", {"prompt": "x"}, headers={"Authorization": "Bearer nope"}), 401)
+    import openai
+
+    wrong = openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    _assert_error(httpx.get(server.base_url + "/v1/nothing-here", headers=server.headers), 404)
+
+
+def test_completions_match_offline(greedy: dict, offline: dict) -> None:
+    batch = greedy["batch"]
+    assert batch.object == "text_completion" and batch.model == MODEL and batch.id.startswith("cmpl-")
+    assert [c.index for c in batch.choices] == list(range(len(PROMPTS)))
+    assert [c.text for c in batch.choices] == offline["completions"]
+    assert all(c.finish_reason in ("stop", "length") for c in batch.choices)
+    usage = batch.usage
+    assert usage.completion_tokens <= MAX_TOKENS * len(PROMPTS) and usage.completion_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens is not None
+
+
+def test_streamed_equals_non_streamed(greedy: dict, offline: dict) -> None:
+    for (text, finish, usage), expected, choice in zip(greedy["streamed"], offline["completions"],
+                                                       greedy["batch"].choices):
+        assert text == expected == choice.text
+        assert finish == choice.finish_reason
+        assert usage is not None and usage.completion_tokens >= 1
+    for (text, finish, usage, roles), chat, expected in zip(greedy["streamed_chats"], greedy["chats"],
+                                                            offline["chats"]):
+        assert roles == ["assistant"]
+        assert text == chat.choices[0].message.content == expected
+        assert finish == chat.choices[0].finish_reason
+        assert usage.prompt_tokens == chat.usage.prompt_tokens
+        assert usage.completion_tokens == chat.usage.completion_tokens
+
+
+def test_chat_matches_offline(greedy: dict, offline: dict) -> None:
+    for chat, expected in zip(greedy["chats"], offline["chats"]):
+        assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")
+        assert chat.choices[0].message.role == "assistant"
+        assert chat.choices[0].message.content == expected
+        assert chat.usage.completion_tokens <= MAX_TOKENS
+
+
+def test_stop_strings_streamed_and_not(greedy: dict, offline: dict) -> None:
+    choice = greedy["stop"].choices[0]
+    text, finish, _ = greedy["stop_streamed"]
+    assert choice.text == text == offline["stop"].text
+    assert choice.finish_reason == finish == offline["stop"].finish_reason
+    for stop in STOP:
+        assert stop not in choice.text
+
+
+def test_parallel_sampling_n(server: ServerProcess) -> None:
+    client = server.openai()
+    kw = dict(model=MODEL, max_tokens=6, temperature=0.9, seed=1234, n=3)
+    first = client.completions.create(prompt="My favourite food is", **kw)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert len({c.text for c in first.choices}) > 1  # three different samples
+    # seeded sampling is batch-independent: streaming the same request gives the same texts
+    texts = ["", "", ""]
+    for chunk in client.completions.create(prompt="My favourite food is", stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in first.choices]
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], **kw)
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert chat.usage.prompt_tokens > 0 and chat.usage.completion_tokens <= 18
+
+
+def test_logprobs(server: ServerProcess) -> None:
+    client = server.openai()
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                    logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+    assert "".join(lp.tokens) == out.choices[0].text
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and value <= 0
+        assert abs(max(top.values()) - value) < 1e-4  # greedy picks the most likely token
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token for c in content)
+    assert bytes(content[0].bytes).decode() == content[0].token
+
+
+def test_32_concurrent_streaming_clients(server: ServerProcess, offline: dict) -> None:
+    client = server.async_openai()
+
+    async def one(i: int) -> tuple[int, str, str | None, float]:
+        start = time.monotonic()
+        first = None
+        stream = await client.completions.create(model=MODEL, prompt=PROMPTS[i % len(PROMPTS)],
+                                                 max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        text, finish = "", None
+        async for chunk in stream:
+            if first is None and chunk.choices[0].text:
+                first = time.monotonic() - start
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        return i, text, finish, first or 0.0
+
+    async def main() -> list:
+        try:
+            return await asyncio.wait_for(asyncio.gather(*[one(i) for i in range(32)]), timeout=600)
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    assert len(results) == 32
+    for i, text, finish, _ in results:
+        assert text == offline["completions"][i % len(PROMPTS)], i
+        assert finish in ("stop", "length")
+    server.wait_idle()
+
+
+def test_multi_turn_reuses_history(server: ServerProcess, offline: dict) -> None:
+    """Turn 2's prompt starts with turn 1's prompt + answer; the prefix cache serves it."""
+    tokenizer = offline["llm"].get_tokenizer()
+    client = server.openai()
+    first = client.chat.completions.create(model=MODEL, messages=TURN1, max_tokens=TURN1_TOKENS, temperature=0)
+    answer = first.choices[0].message.content
+    reference = offline["turn1"]
+    assert answer == reference.outputs[0].text
+    turn2 = TURN1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Now make it rhyme."}]
+    second = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=4, temperature=0)
+
+    # the token-exactness condition: the template re-renders the answer with the generated tokens
+    ids1 = list(reference.prompt_token_ids)
+    generated = list(reference.outputs[0].token_ids)
+    ids2 = list(tokenizer.apply_chat_template(turn2, add_generation_prompt=True, tokenize=True, return_dict=False))
+    history = ids1 + generated
+    common = next((i for i, (a, b) in enumerate(zip(ids2, history)) if a != b), min(len(ids2), len(history)))
+    computed = len(history) - 1  # the last sampled token never gets its KV computed
+    expected = min(common, computed) // BLOCK * BLOCK
+    assert common >= len(ids1) + len(generated) - 1, "the chat template re-tokenised the answer differently"
+    assert second.usage.prompt_tokens == len(ids2)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached == expected, (cached, expected, len(ids2))
+    assert cached >= len(history) - 2 * BLOCK  # (most of) the whole first turn
+
+
+BAD_REQUESTS = [
+    # (path, raw body, status, param, code)
+    ("/v1/completions", b'{"prompt": "x", ', 400, None, "invalid_json"),
+    ("/v1/completions", b"", 400, None, "invalid_json"),
+    ("/v1/completions", b"[1, 2]", 400, None, None),
+    ("/v1/completions", b'{"max_tokens": 5}', 400, "prompt", "missing_field"),
+    ("/v1/completions", b'{"prompt": 5}', 400, "prompt", None),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": "5"}', 400, "max_tokens", None),
+    ("/v1/completions", b'{"prompt": "x", "stream": "yes"}', 400, "stream", None),
+    ("/v1/completions", b'{"prompt": "x", "model": "gpt-4"}', 404, "model", "model_not_found"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 5000}', 400, "max_tokens", "context_length_exceeded"),
+    ("/v1/completions", json.dumps({"prompt": "hello " * 1100}).encode(), 400, None, "context_length_exceeded"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": -1}', 400, "temperature", None),
+    ("/v1/completions", b'{"prompt": "x", "top_p": 1.5}', 400, "top_p", None),
+    ("/v1/completions", b'{"prompt": "x", "top_k": -5}', 400, "top_k", None),
+    ("/v1/completions", b'{"prompt": "x", "min_p": 2}', 400, "min_p", None),
+    ("/v1/completions", b'{"prompt": "x", "presence_penalty": 3}', 400, "presence_penalty", None),
+    ("/v1/completions", b'{"prompt": "x", "frequency_penalty": -3}', 400, "frequency_penalty", None),
+    ("/v1/completions", b'{"prompt": "x", "repetition_penalty": 0}', 400, "repetition_penalty", None),
+    ("/v1/completions", b'{"prompt": "x", "n": 0}', 400, "n", None),
+    ("/v1/completions", b'{"prompt": "x", "logprobs": 50}', 400, "logprobs", None),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens", None),
+    ("/v1/completions", b'{"prompt": "x", "min_tokens": 9, "max_tokens": 2}', 400, "min_tokens", None),
+    ("/v1/completions", b'{"prompt": "x", "stop": [1, 2]}', 400, "stop", None),
+    ("/v1/completions", b'{"prompt": "x", "stop": [""]}', 400, "stop", None),
+    ("/v1/completions", b'{"prompt": ""}', 400, "prompt", None),
+    ("/v1/completions", b'{"prompt": []}', 400, "prompt", None),
+    ("/v1/completions", b'{"prompt": [1, 99999999]}', 400, "prompt", None),
+    ("/v1/completions", b'{"prompt": "x", "echo": true}', 400, "echo", "unsupported"),
+    ("/v1/chat/completions", b'{"messages": []}', 400, "messages", None),
+    ("/v1/chat/completions", b'{"model": "SmolLM2-135M-Instruct"}', 400, "messages", "missing_field"),
+    ("/v1/chat/completions", b'{"messages": [{"content": "hi"}]}', 400, "messages.0.role", "missing_field"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 7}]}', 400, "messages.0.content", None),
+    ("/v1/chat/completions", b'{"messages": "hi"}', 400, "messages", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', 400,
+     "top_logprobs", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "model": "x"}', 404, "model",
+     "model_not_found"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2000}',
+     400, "max_tokens", "context_length_exceeded"),
+]
+
+
+def test_bad_inputs_get_openai_errors(server: ServerProcess) -> None:
+    for path, body, status, param, code in BAD_REQUESTS:
+        response = _post(server, path, content=body, headers={"content-type": "application/json"})
+        try:
+            _assert_error(response, status, param=param, code=code)
+        except AssertionError as error:
+            raise AssertionError(f"{path} {body[:80]!r}: {error}") from None
+    # wrong method and unknown route keep the OpenAI shape
+    _assert_error(httpx.get(server.base_url + "/v1/completions", headers=server.headers), 405)
+    _assert_error(_post(server, "/v1/embeddings", {"input": "x"}), 404)
+    # still serving
+    ok = server.openai().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, temperature=0)
+    assert ok.choices[0].text
+
+
+def test_oversized_bodies_get_413(server: ServerProcess) -> None:
+    # Content-Length over the limit: refused before a single body byte is sent
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
+                      "Content-Type: application/json\r\nContent-Length: 5000000\r\n\r\n").encode())
+        head = sock.recv(65536).decode(errors="replace")
+    assert head.startswith("HTTP/1.1 413"), head
+    assert '"request_too_large"' in head
+    # a chunked body (no Content-Length) is capped while it streams in
+
+    def chunks() -> Any:
+        for _ in range(5):
+            yield b" " * (1 << 20)
+
+    response = httpx.post(server.base_url + "/v1/completions", content=chunks(),
+                          headers={**server.headers, "content-type": "application/json"}, timeout=60)
+    _assert_error(response, 413, code="request_too_large")
+    assert server.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=1).choices
+
+
+def test_bad_requests_do_not_disturb_a_stream(server: ServerProcess, offline: dict) -> None:
+    text: list[str] = []
+
+    def consume() -> None:
+        for chunk in server.openai().completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=MAX_TOKENS,
+                                                        temperature=0, stream=True):
+            text.append(chunk.choices[0].text)
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    try:
+        for path, body, status, param, code in BAD_REQUESTS[:12]:
+            _assert_error(_post(server, path, content=body, headers={"content-type": "application/json"}), status)
+    finally:
+        thread.join(timeout=300)
+    assert not thread.is_alive()
+    assert "".join(text) == offline["completions"][2]
+
+
+def test_disconnect_mid_stream_frees_blocks(server: ServerProcess) -> None:
+    before = server.metrics()
+    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 400, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, headers=server.headers,
+                      timeout=120) as response:
+        assert response.status_code == 200
+        lines = 0
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                lines += 1
+            if lines == 2:
+                break  # leaving the block closes the connection mid-stream
+    assert server.metrics()["flexpage_kv_blocks_used"] >= 0
+    after = server.wait_idle(timeout=60)
+    assert after["flexpage_requests_finished_total{finish_reason=abort}"] == \
+        before["flexpage_requests_finished_total{finish_reason=abort}"] + 1
+    assert after["flexpage_generation_tokens_total"] - before["flexpage_generation_tokens_total"] < 400
+
+    # a non-streaming request whose client times out is aborted too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/v1/completions", json={**body, "stream": False}, headers=server.headers,
+                   timeout=httpx.Timeout(60, read=1.0))
+    after2 = server.wait_idle(timeout=60)
+    assert after2["flexpage_requests_finished_total{finish_reason=abort}"] == \
+        after["flexpage_requests_finished_total{finish_reason=abort}"] + 1
+
+
+def test_metrics_after_everything(server: ServerProcess) -> None:
+    metrics = server.wait_idle(timeout=60)
+    total = metrics["flexpage_kv_blocks_total"]
+    assert total == 511
+    assert metrics["flexpage_kv_blocks_used"] == 0
+    assert metrics["flexpage_kv_blocks_free"] + metrics["flexpage_kv_blocks_cached"] == total
+    assert metrics["flexpage_kv_blocks_cached"] > 0  # finished requests' KV stays reusable
+    assert metrics["flexpage_prompt_tokens_total"] > 0 and metrics["flexpage_generation_tokens_total"] > 0
+    assert metrics["flexpage_prefix_cache_hits_total"] > 0
+    assert 0 < metrics["flexpage_prefix_cache_hit_rate"] <= 1
+    assert metrics["flexpage_requests_finished_total{finish_reason=length}"] > 0
+    for name in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
+        assert metrics[f"flexpage_{name}_seconds_count"] > 0
+    for name in ("flexpage_num_requests_running", "flexpage_num_requests_waiting", "flexpage_kv_utilization",
+                 "flexpage_kv_cache_usage", "flexpage_preemptions_total"):
+        assert name in metrics
+
+
+def test_graceful_shutdown_drains(server: ServerProcess) -> None:
+    """Last: SIGINT with a stream in flight -> new requests 503, the stream completes, exit 0."""
+    lines: list[str] = []
+    body = {"model": MODEL, "prompt": "Count to fifty:", "max_tokens": 30, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+
+    def consume() -> None:
+        with httpx.stream("POST", server.base_url + "/v1/completions", json=body, headers=server.headers,
+                          timeout=300) as response:
+            lines.extend(line for line in response.iter_lines() if line)
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not lines and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lines, "the stream did not start"
+    server.proc.send_signal(2)  # SIGINT
+    time.sleep(0.5)
+    _assert_error(_post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1}), 503, code="shutting_down")
+    assert httpx.get(server.base_url + "/health").status_code == 503
+    thread.join(timeout=300)
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert server.proc.wait(timeout=60) == 0
+    assert "draining 1 in-flight" in server.output()
+
+
+def test_prefill_group_over_16_rows(offline: dict) -> None:
+    """Regression: a prefill step with > 16 rows of >= 16 new tokens crashed the compiled CPU kernel
+    (``index out of bounds ... cur_kvSplitSize``, a size-symbol clash fixed in _inductor_fix)."""
+    from flexpage import LLM, SamplingParams
+
+    llm = LLM(None, dtype="float32", num_blocks=512)  # same shapes as `offline`: reuses its compiled kernels
+    prompts = [{"prompt_token_ids": [100 + i + j for j in range(20)]} for i in range(17)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 2 for o in outputs)
+
+
+def test_many_prompt_shapes_stay_within_the_compile_budget(offline: dict) -> None:
+    """Regression: prefill groups once specialised on a query block of 1, 2, 4, ..., 32, so ordinary
+    traffic needed more compiled variants than Dynamo's default limit of 8 and the 9th step failed.
+    Runs in a fresh thread, like a server's engine thread."""
+    from flexpage import LLM, SamplingParams
+
+    llm = LLM(None, dtype="float32", num_blocks=512)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    errors: list[BaseException] = []
+
+    def shapes() -> None:
+        try:
+            for length in (2, 3, 5, 9, 17, 33):  # q_block 2, 4, 8, 16, 32, 32
+                for rows in (1, 2):
+                    llm.generate([{"prompt_token_ids": [200 + r + j for j in range(length)]} for r in range(rows)],
+                                 params)
+        except BaseException as error:  # noqa: BLE001
+            errors.append(error)
+
+    thread = threading.Thread(target=shapes)
+    thread.start()
+    thread.join(timeout=600)
+    assert not errors, f"{type(errors[0]).__name__}: {errors[0]}"
