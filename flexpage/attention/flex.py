@@ -86,9 +86,11 @@ def _group_attention(
 
 
 _inductor_fix.apply()
-# one code object serves every recipe, group kind and 0/1 specialisation (see docs/architecture.md:
-# 6 kernels per recipe, two recipes for Gemma-style models): above Dynamo's default limit of 8
-torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+# one code object serves every recipe, dtype, head geometry and group kind of every model in the
+# process (a serving run needs 6 per recipe, see docs/architecture.md): far above Dynamo's default
+# of 8, after which fullgraph=True fails hard
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 1024)
+torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 8192)
 _compiled_group_attention = torch.compile(_group_attention, dynamic=False, fullgraph=True)
 
 
