@@ -86,11 +86,17 @@ def _group_attention(
 
 
 _inductor_fix.apply()
-# one code object serves every recipe, dtype, head geometry and group kind of every model in the
-# process (a serving run needs 6 per recipe, see docs/architecture.md): far above Dynamo's default
-# of 8, after which fullgraph=True fails hard
-torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 1024)
-torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 8192)
+
+def compile_limits() -> object:
+    """Dynamo limits for the shared paged-attention code object, as a context manager.
+
+    One code object serves every recipe, dtype, head geometry and group kind of every model
+    in the process (a serving run needs 6 per recipe, see docs/architecture.md): above
+    Dynamo's default of 8, after which ``fullgraph=True`` fails hard. Dynamo's config is
+    per thread, so the limit is set around each call rather than once at import.
+    """
+    return torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=8192)
+
 _compiled_group_attention = torch.compile(_group_attention, dynamic=False, fullgraph=True)
 
 
@@ -133,19 +139,24 @@ class FlexRunner:
                   f"{batch.num_pages} pages x {batch.page_size}")
         fn = _compiled_group_attention if self.compile else _group_attention
         out = q.new_empty(q.shape)
-        for group in batch.groups:
-            q_group = q.index_select(0, group.gather_index).view(group.rows, group.q_len, *q.shape[1:])
-            q_group = q_group.transpose(1, 2)  # [B, L, H, D] -> [B, H, L, D]
-            if self.compile:
-                _mark_dynamic_rows(q_group, group)
-            o = fn(
-                q_group, k_pool, v_pool, group.kv_num_blocks, group.kv_indices,
-                group.full_kv_num_blocks, group.full_kv_indices, group.row_seq, group.block_table, group.q_start,
-                group.seq_len, group.page_to_logical, self.recipe, batch.page_size, group.q_block,
-                self.scale, self.kernel_options,
-            )
-            _scatter_rows(out, o.transpose(1, 2), group)
+        with compile_limits():
+            for group in batch.groups:
+                self._run_group(fn, q, k_pool, v_pool, batch, group, out)
         return out
+
+    def _run_group(self, fn, q: Tensor, k_pool: Tensor, v_pool: Tensor, batch: PagedBatch,  # noqa: ANN001
+                   group: AttentionGroup, out: Tensor) -> None:
+        q_group = q.index_select(0, group.gather_index).view(group.rows, group.q_len, *q.shape[1:])
+        q_group = q_group.transpose(1, 2)  # [B, L, H, D] -> [B, H, L, D]
+        if self.compile:
+            _mark_dynamic_rows(q_group, group)
+        o = fn(
+            q_group, k_pool, v_pool, group.kv_num_blocks, group.kv_indices,
+            group.full_kv_num_blocks, group.full_kv_indices, group.row_seq, group.block_table, group.q_start,
+            group.seq_len, group.page_to_logical, self.recipe, batch.page_size, group.q_block,
+            self.scale, self.kernel_options,
+        )
+        _scatter_rows(out, o.transpose(1, 2), group)
 
 
 def _scatter_rows(out: Tensor, o: Tensor, group: AttentionGroup) -> None:
