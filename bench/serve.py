@@ -143,7 +143,8 @@ def flexpage_backend(model_path: str, args: argparse.Namespace, *, prefix_cachin
                      name: str = "flexpage") -> Backend:
     port = free_port()
     command = [sys.executable, "-m", "flexpage.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--dtype", args.dtype, "--num-blocks", str(args.num_blocks), "--max-num-seqs", str(args.max_num_seqs),
+               "--dtype", args.dtype, "--num-blocks", str(args.num_blocks),
+               "--max-num-seqs", str(args.max_num_seqs),
                "--max-model-len", "4096", "--served-model-name", "bench-model"]
     if not prefix_caching:
         command.append("--no-prefix-caching")
@@ -357,13 +358,16 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     slo = results["meta"]["slo"]
+    colors = {"flexpage": "tab:blue", "transformers": "tab:red", "transformers-cb": "tab:orange"}
     for name, rows in results["poisson"].items():
         rates = [r["rate"] for r in rows]
-        axes[0].plot(rates, [r["ttft_p99"] for r in rows], "o-", label=f"{name} p99")
-        axes[0].plot(rates, [r["ttft_p50"] for r in rows], "x--", alpha=0.6, label=f"{name} p50")
-        axes[1].plot(rates, [r["output_token_throughput"] for r in rows], "o-", label=f"{name} tokens/s")
-        axes[1].plot(rates, [r["goodput"] * 10 for r in rows], "x--", alpha=0.6, label=f"{name} goodput x10")
-    axes[0].axhline(slo["ttft_s"], color="grey", lw=0.8, ls=":")
+        color = colors.get(name)
+        axes[0].plot(rates, [r["ttft_p99"] for r in rows], "o-", color=color, label=f"{name} p99")
+        axes[0].plot(rates, [r["ttft_p50"] for r in rows], "x--", color=color, alpha=0.5, label=f"{name} p50")
+        axes[1].plot(rates, [r["output_token_throughput"] for r in rows], "o-", color=color, label=f"{name} tokens/s")
+        axes[1].plot(rates, [r["goodput"] * 10 for r in rows], "x--", color=color, alpha=0.5,
+                     label=f"{name} goodput x10")
+    axes[0].axhline(slo["ttft_s"], color="grey", lw=0.8, ls=":", label=f"SLO {slo['ttft_s']:g} s")
     axes[0].set(xscale="log", yscale="log", xlabel="request rate (req/s, Poisson)", ylabel="TTFT (s)",
                 title="Time to first token")
     axes[1].set(xscale="log", xlabel="request rate (req/s, Poisson)", ylabel="output tokens/s  |  goodput x10 (req/s)",
@@ -388,6 +392,42 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def markdown(results: dict[str, Any]) -> str:
+    """The result tables as Markdown (for docs/serve-benchmark.md)."""
+    def f(x: Any, nd: int = 2) -> str:
+        return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{nd}f}"
+
+    lines = ["| backend | rate (req/s) | done | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) "
+             "| req/s | output tok/s | goodput (req/s) |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, rows in results.get("poisson", {}).items():
+        for r in rows:
+            ms = lambda v: f(v * 1000 if v is not None else None, 0)  # noqa: E731
+            lines.append(f"| {name} | {r['rate']:g} | {r['completed']}/{r['num_requests']} | {f(r['ttft_p50'])} / "
+                         f"{f(r['ttft_p99'])} | {ms(r['tpot_p50'])} / {ms(r['tpot_p99'])} | {ms(r['itl_p50'])} / "
+                         f"{ms(r['itl_p99'])} | {f(r['request_throughput'])} | {f(r['output_token_throughput'], 1)} "
+                         f"| {f(r['goodput'])} |")
+    cap = results.get("capacity_at_slo_ttft_p99") or {}
+    if cap:
+        lines += ["", f"Capacity (highest tested rate with p99 TTFT <= {results['meta']['slo']['ttft_s']:g} s, "
+                      "nothing failed): " + ", ".join(f"{k} {v:g} req/s" for k, v in cap.items())]
+    mt = results.get("multi_turn") or {}
+    if mt:
+        lines += ["", "| prefix caching | turns | wall (s) | output tok/s | turns/s | TTFT p50 / p99 (s) "
+                      "| cached / prompt tokens | history reused |", "|---|---|---|---|---|---|---|---|"]
+        for key in ("prefix_caching_on", "prefix_caching_off"):
+            if key not in mt:
+                continue
+            r = mt[key]
+            reuse = (r.get("history_reuse") or {}).get("fraction")
+            lines.append(f"| {key.rsplit('_', 1)[-1]} | {r['completed_turns']} | {f(r['duration_s'], 1)} | "
+                         f"{f(r['output_token_throughput'], 1)} | {f(r['turn_throughput'])} | {f(r['ttft_p50'])} / "
+                         f"{f(r['ttft_p99'])} | {r['cached_tokens']} / {r['prompt_tokens']} | "
+                         f"{'-' if reuse is None else f'{reuse:.1%}'} |")
+        if "speedup" in mt:
+            lines += ["", f"Multi-turn throughput with history reuse: {mt['speedup']:.2f}x"]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="HF folder; default: flexpage's SmolLM2-135M-Instruct")
@@ -405,15 +445,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slo-tpot", type=float, default=0.5, help="SLO: time per output token (s)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-blocks", type=int, default=1024)
-    parser.add_argument("--max-num-seqs", type=int, default=16,
-                        help="flexpage batch limit (16: see the prefill kernel bug in docs/serving.md)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="flexpage batch limit")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--out", default="bench/results/serve.json")
     parser.add_argument("--plot", default="docs/img/serve-latency.png")
+    parser.add_argument("--report", action="store_true", help="print --out's tables as Markdown and exit")
     parser.add_argument("--update", action="store_true",
                         help="merge into an existing --out file: replace only the backends / sections run now")
     args = parser.parse_args(argv)
+    if args.report:
+        print(markdown(json.loads(Path(args.out).read_text())))
+        return 0
 
     from flexpage.model.loader import load_tokenizer, resolve_model_path
 

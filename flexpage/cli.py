@@ -102,8 +102,7 @@ def serve(
     block_size: int = typer.Option(16, help="Tokens per KV block."),
     kv_cache_memory: Optional[str] = typer.Option(None, help="KV pool size, e.g. 512MiB, 2GiB [default: 1GiB]."),
     num_blocks: Optional[int] = typer.Option(None, help="KV pool size in blocks (instead of --kv-cache-memory)."),
-    max_num_seqs: int = typer.Option(16, help="Sequences batched at once (16 until the >16-row prefill kernel "
-                                              "bug is fixed, see docs/serving.md)."),
+    max_num_seqs: int = typer.Option(64, help="Sequences batched at once."),
     max_num_batched_tokens: int = typer.Option(1024, help="Tokens computed per step (chunked-prefill budget)."),
     dtype: str = typer.Option("auto", help="auto | bfloat16 | float16 | float32."),
     eager: bool = typer.Option(False, help="Run attention without torch.compile (no compile wait; slow, debugging)."),

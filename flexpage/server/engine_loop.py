@@ -8,9 +8,10 @@ that ever touches the :class:`~flexpage.engine.LLMEngine`:
   which only put a command on a thread-safe queue;
 * between two steps the thread drains the command queue (``add_request`` / ``abort``),
   runs one ``step()`` over every live request of every connection, and pushes each
-  request's progress to its own unbounded ``asyncio.Queue`` with
-  ``loop.call_soon_threadsafe``. It never waits for a client, so a slow reader only
-  grows its own queue;
+  request's progress to its own unbounded ``asyncio.Queue``: one
+  ``loop.call_soon_threadsafe`` per step delivers all of that step's items, so the event
+  loop wakes (and takes the GIL) once per step, not once per token. It never waits for a
+  client, so a slow reader only grows its own queue;
 * progress is handed over as immutable snapshots (:class:`Delta`): the engine keeps
   mutating its ``CompletionOutput`` objects after ``step()`` returns, so they must not be
   read from another thread.
@@ -87,6 +88,11 @@ class Sink:
             pass
 
 
+def _deliver(items: list[tuple[Sink, Any]]) -> None:
+    for sink, item in items:
+        sink.queue.put_nowait(item)
+
+
 @dataclass
 class _Live:
     sink: Sink
@@ -113,7 +119,7 @@ class EngineLoop:
         self.steps = 0
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
-        self._stopping = False
+        self._outbox: list[tuple[Sink, Any]] = []
         self._thread = threading.Thread(target=self._run, name="flexpage-engine", daemon=True)
 
     # -- called from other threads --------------------------------------------------------
@@ -160,6 +166,7 @@ class EngineLoop:
                 handled = True
                 if command[0] == "stop":
                     self._abort_all("the server is shutting down")
+                    self._flush()
                     self._refresh_stats()
                     return
                 self._handle(command)
@@ -167,6 +174,7 @@ class EngineLoop:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     command = None
+            self._flush()
             if self.engine.has_unfinished_requests():
                 try:
                     outputs = self.engine.step()
@@ -178,10 +186,29 @@ class EngineLoop:
                 self.steps += 1
                 for out in outputs:
                     self._dispatch(out)
+                self._flush()
             now = time.monotonic()
             if handled or now - last_stats >= self.stats_interval or not self.engine.has_unfinished_requests():
                 self._refresh_stats()
                 last_stats = now
+
+    def _post(self, sink: Sink, item: Any) -> None:
+        self._outbox.append((sink, item))
+
+    def _flush(self) -> None:
+        """Hand everything produced since the last flush to the event loop(s): one wake-up per loop,
+        not one per token, so the asyncio thread contends for the GIL once per step."""
+        if not self._outbox:
+            return
+        by_loop: dict[Any, list[tuple[Sink, Any]]] = {}
+        for sink, item in self._outbox:
+            by_loop.setdefault(sink.loop, []).append((sink, item))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that loop is closed: nobody is listening any more
+                pass
 
     def _refresh_stats(self) -> None:
         try:
@@ -196,16 +223,16 @@ class EngineLoop:
             try:
                 self.engine.add_request(prompt, params, request_id)
             except ValueError as error:
-                sink.put(Failed(tag, str(error), client_error=True, param=_param_of(str(error))))
+                self._post(sink, Failed(tag, str(error), client_error=True, param=_param_of(str(error))))
                 return
             except Exception as error:  # noqa: BLE001 - reported to the client as a 500
                 log.error("add_request failed:\n%s", traceback.format_exc())
-                sink.put(Failed(tag, f"internal error: {type(error).__name__}: {error}"))
+                self._post(sink, Failed(tag, f"internal error: {type(error).__name__}: {error}"))
                 return
             request = self.engine.requests.get(request_id)
             live = _Live(sink, tag, arrival, num_prompt_tokens=len(request.prompt_token_ids) if request else 0)
             self._live[request_id] = live
-            sink.put(Accepted(tag))
+            self._post(sink, Accepted(tag))
         elif kind == "abort":
             live = self._live.pop(command[1], None)
             if live is not None and self._abort_engine(command[1]) and self.metrics is not None:
@@ -224,7 +251,7 @@ class EngineLoop:
         for request_id, live in list(self._live.items()):
             if self._abort_engine(request_id) and self.metrics is not None:
                 self.metrics.observe_finish("abort")
-            live.sink.put(Failed(live.tag, message))
+            self._post(live.sink, Failed(live.tag, message))
         self._live.clear()
 
     def _dispatch(self, out: RequestOutput) -> None:
@@ -258,8 +285,8 @@ class EngineLoop:
             live.first_token_time = live.first_token_time or now
             live.last_token_time = now
         if samples or out.finished:
-            live.sink.put(Delta(live.tag, tuple(samples), out.finished, len(out.prompt_token_ids),
-                                out.num_cached_tokens))
+            self._post(live.sink, Delta(live.tag, tuple(samples), out.finished, len(out.prompt_token_ids),
+                                        out.num_cached_tokens))
         if out.finished:
             del self._live[out.request_id]
             if self.metrics is not None:

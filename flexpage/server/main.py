@@ -33,7 +33,7 @@ class ServeSettings:
     block_size: int = 16
     kv_cache_memory: str = "1GiB"
     num_blocks: int | None = None
-    max_num_seqs: int = 16  # see docs/serving.md, known engine bugs
+    max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     dtype: str = "auto"
     eager: bool = False
