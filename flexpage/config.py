@@ -27,6 +27,9 @@ class EngineConfig:
     model: str | None = None  # folder, .gguf, or None for SmolLM2-135M-Instruct
     dtype: str = "auto"
     block_size: int = 16
+    # tokens per attention key block: blocks are handed out in aligned runs this long, and the
+    # kernel reads a run as one key block (it pays per key block visited; see BlockPool)
+    attention_block_size: int = 128
     num_blocks: int | None = None  # overrides kv_cache_memory when set
     kv_cache_memory: int | str = DEFAULT_KV_CACHE_MEMORY
     swap_space: int | str = 0  # host-memory tier for preemption by swapping (bytes)
@@ -40,10 +43,13 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "attention_block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: got {value!r}, expected a positive int")
+        if self.attention_block_size % self.block_size and self.attention_block_size > self.block_size:
+            raise ValueError(f"attention_block_size: got {self.attention_block_size}, expected a multiple of "
+                             f"block_size={self.block_size}")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 2):
             raise ValueError(f"num_blocks: got {self.num_blocks!r}, expected an int >= 2 (block 0 is reserved)")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
@@ -54,3 +60,7 @@ class EngineConfig:
             raise ValueError(f"swap_space: got {self.swap_space!r}, expected a size >= 0")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode: got {self.preemption_mode!r}, expected 'recompute' or 'swap'")
+
+    @property
+    def blocks_per_attention_block(self) -> int:
+        return max(1, self.attention_block_size // self.block_size)

@@ -65,11 +65,20 @@ def pages_needed(seq_len: int, page_size: int) -> int:
 
 
 def make_block_tables(
-    spec: BatchSpec, *, page_size: int, num_pages: int, width: int, generator: torch.Generator
+    spec: BatchSpec, *, page_size: int, num_pages: int, width: int, generator: torch.Generator,
+    run_length: int = 1,
 ) -> Tensor:
     """``[S, width]`` int32 block tables: each sequence gets distinct pages from a random
     permutation of ``1..num_pages-1`` (page 0 is the null page and pads every row), except
-    the prefix pages ``spec.shared_prefix`` says two sequences share."""
+    the prefix pages ``spec.shared_prefix`` says two sequences share.
+
+    ``run_length > 1`` hands out pages the way a run-aware allocator does: logical page
+    ``j`` goes to offset ``j % run_length`` of an aligned run of ``run_length`` pages
+    picked at random, so some kernel blocks are wholly owned by one row and others (a
+    shared prefix ending inside a run, a run left partly empty) are not."""
+    if run_length > 1:
+        return _aligned_run_tables(spec, page_size=page_size, num_pages=num_pages, width=width,
+                                   generator=generator, run_length=run_length)
     order = (torch.randperm(num_pages - 1, generator=generator) + 1).tolist()
     tables = torch.zeros(spec.num_seqs, width, dtype=torch.int32)
     contexts = spec.context_lens()
@@ -88,6 +97,28 @@ def make_block_tables(
             first = n
         for logical in range(first, need):
             tables[row, logical] = order.pop()
+    return tables
+
+
+def _aligned_run_tables(
+    spec: BatchSpec, *, page_size: int, num_pages: int, width: int, generator: torch.Generator, run_length: int
+) -> Tensor:
+    assert num_pages % run_length == 0, "the pool must hold whole runs"
+    runs = (torch.randperm(num_pages // run_length - 1, generator=generator) + 1).tolist()  # run 0 holds page 0
+    tables = torch.zeros(spec.num_seqs, width, dtype=torch.int32)
+    shared = {b: (a, n) for a, b, n in spec.shared_prefix}
+    for row, seq_len in enumerate(spec.seq_lens):
+        need = pages_needed(seq_len, page_size)
+        assert need <= width, f"{spec.name}: row {row} needs {need} pages, table width {width}"
+        first = 0
+        if row in shared:
+            a, first = shared[row]
+            tables[row, :first] = tables[a, :first]
+        run = None
+        for logical in range(first, need):
+            if run is None or logical % run_length == 0:
+                run = runs.pop()
+            tables[row, logical] = run * run_length + logical % run_length
     return tables
 
 
@@ -321,7 +352,7 @@ class PagedCase:
 
     def __init__(
         self, spec: BatchSpec, geometry: Geometry, recipe, *, page_size: int, num_pages: int, width: int,
-        seed: int = 0, q_scale: float = 1.0,
+        seed: int = 0, q_scale: float = 1.0, pages_per_block: int = 1,
     ) -> None:
         from flexpage.attention.kv_pool import KVPool, write_kv
         from flexpage.attention.paging import build_paged_batch
@@ -334,10 +365,12 @@ class PagedCase:
         )
         self.k_pool, self.v_pool = self.pool.layer(0)
         self.pool.storage.copy_(torch.randn(self.pool.storage.shape, generator=g))
-        self.block_tables = make_block_tables(spec, page_size=page_size, num_pages=num_pages, width=width, generator=g)
+        self.block_tables = make_block_tables(spec, page_size=page_size, num_pages=num_pages, width=width, generator=g,
+                                              run_length=pages_per_block)
         seq_lens, query_lens = spec.tensors()
         self.batch = build_paged_batch(
-            self.block_tables, seq_lens, query_lens, page_size=page_size, num_pages=num_pages, recipe=recipe
+            self.block_tables, seq_lens, query_lens, page_size=page_size, num_pages=num_pages, recipe=recipe,
+            pages_per_block=pages_per_block,
         )
         shape = (spec.num_tokens, geometry.kv_heads, geometry.head_dim)
         new_k = torch.randn(shape, generator=g).to(geometry.dtype)

@@ -61,6 +61,37 @@ def test_allocate_and_grow() -> None:
     assert [bm.pool.block_hash(b) is not None for b in seq.block_table] == [True, True, True, False]
 
 
+def test_growing_sequences_fill_whole_runs() -> None:
+    """With runs of 4 blocks, two sequences growing in turn each fill their own run
+    (blocks 4-7 and 8-11) rather than interleaving; run 0 (blocks 1-3, beside the null
+    block) is never whole, so it is used last."""
+    bm = BlockManager(20, 4, run_length=4)
+    a, b = Sequence(0, range(3)), Sequence(1, range(100, 103))
+    for seq in (a, b):
+        bm.allocate(seq)
+        compute(bm, seq)
+    for token in range(14):
+        for seq in (a, b):
+            seq.append_token(token)
+            bm.append_slots(seq, 1)
+            bm.mark_computed(seq, 1)
+    assert a.block_table == [4, 5, 6, 7, 12]
+    assert b.block_table == [8, 9, 10, 11, 16]
+
+
+def test_runs_fall_back_to_loose_blocks_when_no_run_is_whole() -> None:
+    bm = BlockManager(8, 4, run_length=4)  # run 0: blocks 1-3 (loose), run 1: blocks 4-7
+    first = Sequence(0, range(8))
+    bm.allocate(first)
+    assert first.block_table == [4, 5]
+    second = Sequence(1, range(100, 120))
+    bm.allocate(second)
+    assert sorted(second.block_table) == [1, 2, 3, 6, 7]
+    bm.free(first)
+    bm.free(second)
+    assert bm.pool.num_free == 7 and bm.pool.num_free_runs == 1
+
+
 def test_prefix_hit_across_requests() -> None:
     bm = BlockManager(10, 4)
     a = Sequence(0, range(10))
@@ -367,11 +398,13 @@ class ShadowKV:
 
 class BlockManagerMachine(RuleBasedStateMachine):
     prefix_caching = True
+    run_length = 1
 
     def __init__(self) -> None:
         super().__init__()
         self.bs = 4
-        self.bm = BlockManager(9, self.bs, enable_prefix_caching=self.prefix_caching, num_host_blocks=8)
+        self.bm = BlockManager(9, self.bs, enable_prefix_caching=self.prefix_caching, num_host_blocks=8,
+                               run_length=self.run_length)
         self.kv = ShadowKV(self.bs)
         self.live: dict[int, Sequence] = {}
         self.family: dict[int, int] = {}
@@ -490,6 +523,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         stats = bm.stats()
         assert stats.free + stats.cached + stats.used == stats.total - 1
         assert stats.used == len(refs)
+        assert stats.free == sum(bm.pool.is_free(b) for b in range(bm.num_blocks))
         hosts = [h for s in live for h in s.host_block_table]
         assert len(hosts) == len(set(hosts)) == stats.host_used
         holders: dict[int, tuple[int, int]] = {}
@@ -520,8 +554,14 @@ class NoPrefixCacheMachine(BlockManagerMachine):
     prefix_caching = False
 
 
+class RunsMachine(BlockManagerMachine):
+    run_length = 4
+
+
 _machine_settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = _machine_settings
 TestNoPrefixCacheMachine = NoPrefixCacheMachine.TestCase
 TestNoPrefixCacheMachine.settings = _machine_settings
+TestRunsMachine = RunsMachine.TestCase
+TestRunsMachine.settings = _machine_settings

@@ -153,6 +153,50 @@ def test_eager_paged_attention_matches_reference(geometry: Geometry, spec: Batch
     assert err < geometry.tol, f"{geometry} {spec}: relative error {err:.2e}"
 
 
+# ---- kernel key blocks of several pages -------------------------------------------------------
+
+RUN = 4  # pages per kernel key block in these tests (the engine uses 128-token blocks)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+@pytest.mark.parametrize("layout", ["aligned-runs", "shuffled"])
+def test_kernel_blocks_of_several_pages_match_reference(spec: BatchSpec, layout: str):
+    """Key blocks of ``RUN`` aligned pages: pages handed out in aligned runs (some blocks wholly
+    owned by a row, others shared through a prefix or partly empty) or shuffled (no block is
+    owned by one row) give the same attention."""
+    step = PagedCase(spec, FP32_GQA_D64, causal(), page_size=PAGE_SIZE, num_pages=NUM_PAGES, width=TABLE_WIDTH,
+                     pages_per_block=RUN)
+    if layout == "shuffled":
+        step = PagedCase(spec, FP32_GQA_D64, causal(), page_size=PAGE_SIZE, num_pages=NUM_PAGES, width=TABLE_WIDTH)
+        seq_lens, query_lens = spec.tensors()
+        step.batch = build_paged_batch(step.block_tables, seq_lens, query_lens, page_size=PAGE_SIZE,
+                                       num_pages=NUM_PAGES, recipe=causal(), pages_per_block=RUN)
+    for compile in (True, False):
+        err = rel_err(step.run(compile=compile), step.reference())
+        assert err < FP32_GQA_D64.tol, f"{spec} {layout} compile={compile}: relative error {err:.2e}"
+
+
+def test_kernel_block_is_full_only_when_one_row_owns_every_page():
+    """Row 0 owns run 1 (pages 4-7) outright and is past it: one full block. Row 1 shares
+    row 0's first two pages and continues in run 2: run 1 holds pages it does not own, so
+    it is partial there, as is run 2 (partly empty)."""
+    tables = torch.tensor([[4, 5, 6, 7, 8, 0], [4, 5, 10, 11, 0, 0]], dtype=torch.int32)
+    batch = build_paged_batch(tables, torch.tensor([70, 60]), torch.tensor([1, 1]), page_size=PAGE_SIZE,
+                              num_pages=NUM_PAGES, recipe=causal(), pages_per_block=RUN)
+    (decode,) = batch.groups
+    assert decode.full_kv_num_blocks[:2, 0, 0].tolist() == [1, 0]
+    assert decode.full_kv_indices[0, 0, 0, 0] == 1
+    assert decode.kv_num_blocks[:2, 0, 0].tolist() == [1, 2]
+    assert decode.kv_indices[0, 0, 0, 0] == 2
+    assert sorted(decode.kv_indices[1, 0, 0, :2].tolist()) == [1, 2]
+
+
+def test_pool_must_hold_whole_kernel_blocks():
+    with pytest.raises(ValueError, match=r"num_pages: got 46, expected a multiple of pages_per_block=4"):
+        build_paged_batch(torch.tensor([[1]], dtype=torch.int32), torch.tensor([3]), torch.tensor([1]),
+                          page_size=PAGE_SIZE, num_pages=46, recipe=causal(), pages_per_block=4)
+
+
 def test_eager_paged_attention_with_explicit_scale():
     step = causal_case(MIXED, FP32_GQA_D64, seed=3)
     err = rel_err(step.run(compile=False, scale=0.3), step.reference(scale=0.3))

@@ -4,6 +4,13 @@
 queries ``[T, H, D]`` and one layer's pool, and runs one FlexAttention kernel per group of
 a :class:`~flexpage.attention.paging.PagedBatch` (decode rows, prefill rows).
 
+Two layout choices make the CPU kernel fast (it pays per (query block, head, key block)
+visited): query heads that share a kv head are packed into query rows (``[B, H_kv, L*G,
+D]``), so each key block is loaded once per kv head; and a key block is
+``pages_per_block`` aligned pages, which the allocator fills with one sequence's pages.
+The paging-wrapped mods undo both: ``q_idx // G`` is the query token, ``h*G + q_idx % G``
+the query head, ``page_to_logical`` the logical position of a physical slot.
+
 Compilation: ``_group_attention`` is wrapped once by ``torch.compile`` (``dynamic=True``)
 at module level of :class:`FlexRunner`; the recipe, page size, query block and kernel
 options are Python constants, so the compiled variants a run can trigger are bounded by
@@ -25,7 +32,7 @@ from flexpage.attention.recipe import Recipe
 
 
 def _group_attention(
-    q: Tensor,  # [B, H, L, D]
+    q: Tensor,  # [B, H_kv, L*G, D]: query heads packed into rows (row l*G + g is head h*G + g)
     k_pool: Tensor,  # [1, H_kv, S, D]
     v_pool: Tensor,
     kv_num_blocks: Tensor,
@@ -39,10 +46,14 @@ def _group_attention(
     page_to_logical: Tensor,
     recipe: Recipe,
     page_size: int,
+    pages_per_block: int,
     q_block: int,
+    heads_per_kv: int,
     scale: float | None,
     kernel_options: dict | None,
 ) -> Tensor:
+    g = heads_per_kv
+
     def logical(b: Tensor, q_idx: Tensor, kv_idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         page = kv_idx // page_size
         logical_page = page_to_logical[page]
@@ -52,14 +63,17 @@ def _group_attention(
         valid = owned & (kv_pos < seq_len[b])
         # recipes may index tables by position: keep positions in range even where masked
         last = (seq_len[b] - 1).clamp(min=0)
-        q_pos = torch.minimum(q_start[b] + q_idx, last)
+        q_pos = torch.minimum(q_start[b] + q_idx // g, last)
         return q_pos, torch.minimum(kv_pos.clamp(min=0), last), valid
+
+    def query_head(h: Tensor, q_idx: Tensor) -> Tensor:
+        return h * g + q_idx % g
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         q_pos, kv_pos, valid = logical(b, q_idx, kv_idx)
         if recipe.mask_mod is None:
             return valid
-        return valid & recipe.mask_mod(row_seq[b], h, q_pos, kv_pos)
+        return valid & recipe.mask_mod(row_seq[b], query_head(h, q_idx), q_pos, kv_pos)
 
     score_mod = None
     if recipe.score_mod is not None:
@@ -67,22 +81,20 @@ def _group_attention(
 
         def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             q_pos, kv_pos, _ = logical(b, q_idx, kv_idx)
-            return user_score(score, row_seq[b], h, q_pos, kv_pos)
+            return user_score(score, row_seq[b], query_head(h, q_idx), q_pos, kv_pos)
 
     block_mask = BlockMask.from_kv_blocks(
         kv_num_blocks,
         kv_indices,
         full_kv_num_blocks,
         full_kv_indices,
-        BLOCK_SIZE=(q_block, page_size),
+        BLOCK_SIZE=(q_block * g, page_size * pages_per_block),
         mask_mod=mask_mod,
         seq_lengths=(q.shape[2], k_pool.shape[2]),
         compute_q_blocks=False,
     )
-    return flex_attention(
-        q, k_pool, v_pool, score_mod=score_mod, block_mask=block_mask, scale=scale,
-        enable_gqa=q.shape[1] != k_pool.shape[1], kernel_options=kernel_options,
-    )
+    return flex_attention(q, k_pool, v_pool, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                          kernel_options=kernel_options)
 
 
 _inductor_fix.apply()
@@ -146,17 +158,23 @@ class FlexRunner:
 
     def _run_group(self, fn, q: Tensor, k_pool: Tensor, v_pool: Tensor, batch: PagedBatch,  # noqa: ANN001
                    group: AttentionGroup, out: Tensor) -> None:
-        q_group = q.index_select(0, group.gather_index).view(group.rows, group.q_len, *q.shape[1:])
-        q_group = q_group.transpose(1, 2)  # [B, L, H, D] -> [B, H, L, D]
+        rows, q_len, heads, dim = group.rows, group.q_len, q.shape[1], q.shape[2]
+        kv_heads = k_pool.shape[1]
+        g = heads // kv_heads
+        # pack each kv head's query heads into query rows: [B, L, H_kv, G, D] -> [B, H_kv, L*G, D],
+        # so the kernel loads every key block once per kv head rather than once per query head
+        q_group = q.index_select(0, group.gather_index).view(rows, q_len, kv_heads, g, dim)
+        q_group = q_group.permute(0, 2, 1, 3, 4).reshape(rows, kv_heads, q_len * g, dim)
         if self.compile:
             _mark_dynamic_rows(q_group, group)
         o = fn(
             q_group, k_pool, v_pool, group.kv_num_blocks, group.kv_indices,
             group.full_kv_num_blocks, group.full_kv_indices, group.row_seq, group.block_table, group.q_start,
-            group.seq_len, group.page_to_logical, self.recipe, batch.page_size, group.q_block,
-            self.scale, self.kernel_options,
+            group.seq_len, group.page_to_logical, self.recipe, batch.page_size, batch.pages_per_block,
+            group.q_block, g, self.scale, self.kernel_options,
         )
-        _scatter_rows(out, o.transpose(1, 2), group)
+        o = o.view(rows, kv_heads, q_len, g, dim).permute(0, 2, 1, 3, 4).reshape(rows, q_len, heads, dim)
+        _scatter_rows(out, o, group)
 
 
 def _scatter_rows(out: Tensor, o: Tensor, group: AttentionGroup) -> None:

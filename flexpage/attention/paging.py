@@ -76,6 +76,7 @@ class PagedBatch:
     num_tokens: int
     page_size: int
     num_pages: int
+    pages_per_block: int  # the kernel's key block is this many aligned pages
     groups: tuple[AttentionGroup, ...]
     positions: Tensor  # [num_tokens] int64, logical position of every new token
     slots: Tensor  # [num_tokens] int64, pool slot each new token's K/V is written to
@@ -89,6 +90,7 @@ def build_paged_batch(
     page_size: int,
     num_pages: int,
     recipe: Recipe,
+    pages_per_block: int = 1,
     bucket: bool = True,
 ) -> PagedBatch:
     """Plan one step of paged attention.
@@ -97,9 +99,18 @@ def build_paged_batch(
     seq_lens:     [S] int, tokens of each sequence in the pool after this step's writes
     query_lens:   [S] int, new tokens per sequence this step (>= 1); the flat token order
                   is sequence 0's new tokens, then sequence 1's, ...
+    ``pages_per_block`` sets the kernel's key block to that many aligned pages (pages
+    ``r*R .. r*R+R-1`` form kernel block ``r``; ``num_pages`` must be a multiple): the CPU
+    kernel pays per key block visited, so an allocator that hands a sequence aligned runs
+    of pages gets large key blocks while pages stay small for sharing. Any placement is
+    still correct: a block that is not wholly owned and visible runs the mask.
     ``bucket`` rounds group row counts and query lengths up to powers of two so a
     serving run triggers a bounded number of compiled kernels.
     """
+    check_arg(isinstance(pages_per_block, int) and pages_per_block >= 1, "pages_per_block", pages_per_block,
+              "a positive int")
+    check_arg(num_pages % pages_per_block == 0, "num_pages", num_pages,
+              f"a multiple of pages_per_block={pages_per_block}")
     block_tables, seq_lens, query_lens = _check_inputs(block_tables, seq_lens, query_lens, page_size, num_pages)
     seq_lens_l = seq_lens.long()
     query_lens_l = query_lens.long()
@@ -117,10 +128,10 @@ def build_paged_batch(
             _build_group(
                 rows, block_tables, seq_lens_l, query_lens_l, starts, page_to_logical,
                 num_tokens=num_tokens, num_pages=num_pages, page_size=page_size, q_block=q_block,
-                recipe=recipe, bucket=bucket,
+                pages_per_block=pages_per_block, recipe=recipe, bucket=bucket,
             )
         )
-    return PagedBatch(num_tokens, page_size, num_pages, tuple(groups), positions, slots)
+    return PagedBatch(num_tokens, page_size, num_pages, pages_per_block, tuple(groups), positions, slots)
 
 
 def _check_inputs(
@@ -204,6 +215,7 @@ def _build_group(
     num_pages: int,
     page_size: int,
     q_block: int,
+    pages_per_block: int,
     recipe: Recipe,
     bucket: bool,
 ) -> AttentionGroup:
@@ -242,10 +254,11 @@ def _build_group(
     may, every = recipe.block_rule(b, q_lo, q_hi, kv_lo, kv_hi)
     may = may & (q_rows > 0) & (kv_lo < seq_len[:, None, None])
     every = every & may & (kv_hi < seq_len[:, None, None])
-    partial = may & ~every
-    # the kernel wants index rows as wide as the pool; entries past the counts are never read
-    kv_num_blocks, kv_indices = _compact(partial, table, num_pages)
-    full_kv_num_blocks, full_kv_indices = _compact(every, table, num_pages)
+    partial, full, block_ids = _kernel_blocks(may, every, table, pages_per_block)
+    # the kernel wants index rows as wide as its key-block count; entries past the counts are never read
+    num_blocks = num_pages // pages_per_block
+    kv_num_blocks, kv_indices = _compact(partial, block_ids, num_blocks)
+    full_kv_num_blocks, full_kv_indices = _compact(full, block_ids, num_blocks)
     flat = token_index.flatten()
     real = torch.nonzero(flat < num_tokens).flatten()
     return AttentionGroup(
@@ -266,13 +279,44 @@ def _build_group(
     )
 
 
-def _compact(selected: Tensor, table: Tensor, num_pages: int) -> tuple[Tensor, Tensor]:
-    """Selected pages first, in logical order: ``[B, M, J]`` bool -> counts ``[B,1,M]``, ids ``[B,1,M,num_pages]``."""
+_NO_BLOCK = torch.iinfo(torch.int64).max  # sorts after every real block id
+
+
+def _kernel_blocks(may: Tensor, every: Tensor, table: Tensor, pages_per_block: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Page verdicts ``[B, M, J]`` -> kernel-block verdicts: partial ``[B, M, J]``, full ``[B, M, J]``, ids ``[B, J]``.
+
+    Kernel block ``r`` covers pages ``r*R .. r*R+R-1``. A row lists it if any of its pages
+    there may be visible; it is *full* (mask skipped) only when all ``R`` pages belong to
+    the row and each is wholly visible -- otherwise other rows' pages, or free ones, sit in
+    it and the mask's ownership check must run. Blocks are found per row by sorting its
+    pages by block id (segments of equal ids), so the cost follows the block table, not
+    the pool.
+    """
+    if pages_per_block == 1:
+        return may & ~every, every, table
+    block_of_page = torch.where(may.any(1), table // pages_per_block, _NO_BLOCK)  # [B, J]
+    sorted_blocks, order = torch.sort(block_of_page, dim=-1)
+    new_segment = torch.ones_like(sorted_blocks, dtype=torch.bool)
+    new_segment[:, 1:] = sorted_blocks[:, 1:] != sorted_blocks[:, :-1]
+    segment = (torch.cumsum(new_segment, -1) - 1)  # [B, J] segment index of each sorted page
+    order_m = order[:, None, :].expand_as(may)
+    seg_m = segment[:, None, :].expand_as(may)
+    any_may = torch.zeros_like(may).scatter_reduce_(-1, seg_m, torch.gather(may, -1, order_m), "amax")
+    num_every = torch.zeros(may.shape, dtype=torch.int32).scatter_add_(
+        -1, seg_m, torch.gather(every, -1, order_m).int())
+    block_ids = torch.full_like(sorted_blocks, _NO_BLOCK).scatter_(-1, segment, sorted_blocks)
+    real = (block_ids != _NO_BLOCK)[:, None, :]
+    full = real & (num_every == pages_per_block)
+    return real & any_may & ~full, full, block_ids.masked_fill(~real[:, 0], 0)
+
+
+def _compact(selected: Tensor, table: Tensor, width_out: int) -> tuple[Tensor, Tensor]:
+    """Selected entries first: ``[B, M, J]`` bool -> counts ``[B,1,M]``, ids ``[B,1,M,width_out]``."""
     order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True)
     ids = torch.gather(table[:, None, :].expand_as(order), -1, order)
     counts = selected.sum(-1, dtype=torch.int32)
     # only the first ``counts`` entries are ever read, so the tail can stay uninitialised
-    out = torch.zeros(*ids.shape[:2], num_pages, dtype=torch.int32)
-    width = min(ids.shape[-1], num_pages)  # selected pages come first and are distinct
+    out = torch.zeros(*ids.shape[:2], width_out, dtype=torch.int32)
+    width = min(ids.shape[-1], width_out)  # selected entries come first and are distinct
     out[..., :width] = ids[..., :width]
     return counts[:, None], out[:, None]

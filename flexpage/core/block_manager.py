@@ -78,15 +78,18 @@ class BlockManager:
         *,
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
+        run_length: int = 1,
     ) -> None:
+        """``run_length``: blocks per aligned run, the attention kernel's key block (see BlockPool)."""
         _check_int("num_blocks", num_blocks, 2)
         _check_int("block_size", block_size, 1)
         _check_int("num_host_blocks", num_host_blocks, 0)
+        _check_int("run_length", run_length, 1)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.num_host_blocks = num_host_blocks
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, run_length)
         self._host_free: deque[int] = deque(range(num_host_blocks))
         self._prefix_queries = 0
         self._prefix_hits = 0
@@ -187,7 +190,7 @@ class BlockManager:
             self.pool.incref(block_id)
         table = list(hits)
         for _ in range(seq.num_blocks_needed(self.block_size) - len(hits)):
-            table.append(self.pool.allocate())
+            table.append(self._allocate_after(table))
         seq.block_table = table
         cached = len(hits) * self.block_size
         seq.num_computed_tokens = cached
@@ -227,13 +230,17 @@ class BlockManager:
         for i in range(seq.num_computed_tokens // bs, min(needed, len(table))):
             src = table[i]
             if self.pool.ref_count(src) > 1:
-                dst = self.pool.allocate()
+                dst = self.pool.allocate(table[i - 1] if i else None)
                 self.pool.decref(src)
                 table[i] = dst
                 copies.append((src, dst))
         while len(table) < needed:
-            table.append(self.pool.allocate())
+            table.append(self._allocate_after(table))
         return copies
+
+    def _allocate_after(self, table: list[int]) -> int:
+        """A new block for the end of ``table``, continuing its last block's run if possible."""
+        return self.pool.allocate(table[-1] if table else None)
 
     def mark_computed(self, seq: Sequence, num_new_tokens: int) -> None:
         """Record that the runner computed the next ``num_new_tokens`` positions.
@@ -328,7 +335,7 @@ class BlockManager:
             if block_id is not None:
                 self.pool.incref(block_id)
             else:
-                block_id = self.pool.allocate()
+                block_id = self._allocate_after(table)
                 pairs.append((host, block_id))
                 if i < num_full and hashes:
                     self.pool.set_hash(block_id, hashes[i])

@@ -14,13 +14,20 @@ block tables point at it, so a stray read through padding hits harmless memory.
 
 Allocation prefers free blocks and only then evicts cached ones, so a warm
 prefix cache survives for as long as the pool has slack.
+
+**Runs.** Blocks ``r*R .. r*R+R-1`` form run ``r`` (``run_length`` R). The attention
+kernel reads a run as one key block, and pays per key block it visits, so a sequence
+should fill whole runs: :meth:`BlockPool.allocate` continues the caller's run when the
+next block is free and otherwise starts a wholly free run, falling back to any free
+block (placement only affects speed, never correctness). This is vAttention's point --
+attention wants contiguous KV -- kept within PagedAttention's small blocks.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence as SequenceABC
 
 __all__ = ["NULL_BLOCK_ID", "BlockHash", "BlockPool", "NoFreeBlocksError", "hash_block_tokens"]
@@ -53,13 +60,22 @@ class NoFreeBlocksError(RuntimeError):
 class BlockPool:
     """Ref-counted device blocks with a content-hash index (prefix cache)."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, run_length: int = 1) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the reserved null block), got {num_blocks}")
+        if run_length < 1:
+            raise ValueError(f"run_length must be >= 1, got {run_length}")
         self.num_blocks = num_blocks
+        self.run_length = run_length
         self._ref: list[int] = [0] * num_blocks
         self._hash: list[BlockHash | None] = [None] * num_blocks
-        self._free: deque[int] = deque(range(1, num_blocks))
+        # free blocks: whole free runs (oldest first), and loose free blocks in runs partly in use
+        num_runs = -(-num_blocks // run_length)
+        self._run_free = [0] * num_runs
+        self._free_runs: OrderedDict[int, None] = OrderedDict()
+        self._loose: OrderedDict[int, None] = OrderedDict()
+        for block_id in range(1, num_blocks):
+            self._release(block_id)
         # ref-0 hashed blocks, least recently released first.
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._by_hash: dict[BlockHash, int] = {}
@@ -69,7 +85,12 @@ class BlockPool:
     # -- counters ------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._loose) + self.run_length * len(self._free_runs)
+
+    @property
+    def num_free_runs(self) -> int:
+        """Runs whose every block is free: where new sequences start."""
+        return len(self._free_runs)
 
     @property
     def num_cached(self) -> int:
@@ -82,7 +103,7 @@ class BlockPool:
     @property
     def num_free_or_cached(self) -> int:
         """Blocks an allocation can obtain right now (evicting if needed)."""
-        return len(self._free) + len(self._cached)
+        return self.num_free + len(self._cached)
 
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
@@ -94,11 +115,54 @@ class BlockPool:
         """Ref-0 cached blocks in eviction order (first is evicted first)."""
         return list(self._cached)
 
+    def is_free(self, block_id: int) -> bool:
+        return block_id != NULL_BLOCK_ID and self._ref[block_id] == 0 and self._hash[block_id] is None
+
+    # -- free-block bookkeeping ------------------------------------------------
+    def _release(self, block_id: int) -> None:
+        run = block_id // self.run_length
+        self._run_free[run] += 1
+        if self._run_free[run] == self.run_length:  # the whole run is free again
+            for other in self._run_blocks(run):
+                if other != block_id:
+                    del self._loose[other]
+            self._free_runs[run] = None
+        else:
+            self._loose[block_id] = None
+
+    def _take(self, block_id: int) -> None:
+        run = block_id // self.run_length
+        if run in self._free_runs:  # breaking a whole run: its other blocks become loose
+            del self._free_runs[run]
+            for other in self._run_blocks(run):
+                if other != block_id:
+                    self._loose[other] = None
+        else:
+            del self._loose[block_id]
+        self._run_free[run] -= 1
+
+    def _run_blocks(self, run: int) -> range:
+        return range(run * self.run_length, min((run + 1) * self.run_length, self.num_blocks))
+
     # -- transitions ---------------------------------------------------------
-    def allocate(self) -> int:
-        """A fresh block with ref count 1: a free one, else evict the LRU cached one."""
-        if self._free:
-            block_id = self._free.popleft()
+    def allocate(self, after: int | None = None) -> int:
+        """A fresh block with ref count 1.
+
+        ``after`` is the block that precedes the new one in the caller's block table:
+        its successor is taken when free and in the same run. Otherwise the first block
+        of a wholly free run, else any free block, else the LRU cached block is evicted.
+        """
+        nxt = None if after is None else after + 1
+        if nxt is not None and nxt % self.run_length and nxt < self.num_blocks and self.is_free(nxt):
+            block_id = nxt
+            self._take(block_id)
+        elif self._free_runs:
+            run = next(iter(self._free_runs))
+            block_id = max(run * self.run_length, 1)
+            self._take(block_id)
+        elif self._loose:
+            block_id = next(iter(self._loose))
+            self._take(block_id)
         elif self._cached:
             block_id, _ = self._cached.popitem(last=False)
             del self._by_hash[self._hash[block_id]]  # type: ignore[arg-type]
@@ -136,7 +200,7 @@ class BlockPool:
             if self._hash[block_id] is not None:
                 self._cached[block_id] = None  # most recently released: evicted last
             else:
-                self._free.append(block_id)
+                self._release(block_id)
 
     def set_hash(self, block_id: int, block_hash: BlockHash) -> bool:
         """Index a used, fully computed block by its content hash.
@@ -164,6 +228,6 @@ class BlockPool:
             block_id, _ = self._cached.popitem(last=False)
             del self._by_hash[self._hash[block_id]]  # type: ignore[arg-type]
             self._hash[block_id] = None
-            self._free.append(block_id)
+            self._release(block_id)
             dropped += 1
         return dropped

@@ -48,6 +48,7 @@ class PagedStep:
     seq_lens: Tensor
     query_lens: Tensor
     compile: bool
+    pages_per_block: int = 1
     batches: dict[str, PagedBatch] = field(default_factory=dict)
     runners: dict[tuple[str, float | None], FlexRunner] = field(default_factory=dict)
 
@@ -55,7 +56,7 @@ class PagedStep:
         if recipe.name not in self.batches:
             self.batches[recipe.name] = build_paged_batch(
                 self.block_tables, self.seq_lens, self.query_lens, page_size=self.pool.block_size,
-                num_pages=self.pool.num_blocks, recipe=recipe,
+                num_pages=self.pool.num_blocks, recipe=recipe, pages_per_block=self.pages_per_block,
             )
         return self.batches[recipe.name]
 
@@ -108,7 +109,7 @@ class ModelRunner:
     """Owns the model and the KV pool of one process; turns StepInputs into logits."""
 
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int, compile: bool = True,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, blocks_per_attention_block: int = 1) -> None:
         register()
         config = model.config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -120,9 +121,11 @@ class ModelRunner:
         if config.model_type == "bloom":
             _route_bloom_attention(model, self)
         self.dtype = next(model.parameters()).dtype
+        self.blocks_per_attention_block = blocks_per_attention_block
         self.pool = KVPool(
             num_layers=text_config.num_hidden_layers,
-            num_blocks=num_blocks,
+            # whole attention blocks: the blocks past num_blocks are never handed out
+            num_blocks=-(-num_blocks // blocks_per_attention_block) * blocks_per_attention_block,
             block_size=block_size,
             num_kv_heads=getattr(text_config, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
@@ -148,6 +151,7 @@ class ModelRunner:
             seq_lens=torch.tensor(inputs.seq_lens),
             query_lens=torch.tensor(inputs.query_lens),
             compile=self.compile,
+            pages_per_block=self.blocks_per_attention_block,
             runners=self._runners,
         )
         positions = _positions(inputs.seq_lens, inputs.query_lens)
