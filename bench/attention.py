@@ -58,6 +58,10 @@ EXP_LARGE_PARTITION = 512
 # compiled graph) means one compile per (dtype, heads, page size) instead of one per row.
 FLEX_POOL_TOKENS = 64 * 4096
 TOL = {"float32": 1e-4, "bfloat16": 3e-2}
+# flexpage layouts: label -> (page size, pages per kernel key block). "p16" is what the engine runs: 16-token
+# pages handed out by flexpage's BlockPool in aligned runs of 8 (rows growing in turn, page by page, as in
+# decode), read as 128-token key blocks. "p16k16"/"p64": key block = page, pages scattered at random.
+FLEX_LAYOUTS = {"p16": (16, 8), "p16k16": (16, 1), "p64": (64, 1)}
 
 
 # --------------------------------------------------------------------------- timing
@@ -156,6 +160,35 @@ def scattered_block_table(lens, page_size: int, first_page: int, gen, pool_pages
     table = torch.zeros(len(lens), width, dtype=torch.long)
     table[torch.arange(width)[None, :] < pages_per[:, None]] = perm  # row-major fill
     return table, num_pages
+
+
+def run_block_table(lens, page_size: int, run: int, pool_pages: int):
+    """Block table [B, J] int64 from flexpage's own allocator (``BlockPool`` with runs of ``run`` pages),
+    the rows growing in turn one page at a time: the interleaving decode produces."""
+    import torch
+    from flexpage.core.block_pool import BlockPool
+
+    pool = BlockPool(pool_pages, run)
+    pages_per = ((lens + page_size - 1) // page_size).tolist()
+    rows: list[list[int]] = [[] for _ in pages_per]
+    for j in range(max(pages_per)):
+        for row, need in zip(rows, pages_per):
+            if j < need:
+                row.append(pool.allocate(row[-1] if row else None))
+    table = torch.zeros(len(rows), max(pages_per), dtype=torch.long)
+    for i, row in enumerate(rows):
+        table[i, : len(row)] = torch.tensor(row)
+    return table, pool_pages
+
+
+def flex_layout_table(label: str, lens, gen):
+    """(block table, pool pages, page size, pages per key block) of one flexpage layout."""
+    page, run = FLEX_LAYOUTS[label]
+    if run > 1:
+        table, num_pages = run_block_table(lens, page, run, FLEX_POOL_TOKENS // page)
+    else:
+        table, num_pages = scattered_block_table(lens, page, 1, gen, pool_pages=FLEX_POOL_TOKENS // page + 1)
+    return table, num_pages, page, run
 
 
 def fill_pool(k, v, lens, table, page_size: int, num_pages: int):
@@ -266,16 +299,16 @@ def run_decode_case(case: DecodeCase, args, ctx: dict) -> dict:
     tol = TOL[case.dtype]
     keep = []  # keep pools alive while timing
 
-    for page in args.flex_pages:
-        # page 0 is flexpage's null page; the rows' pages are scattered over the whole fixed-size pool
-        table, num_pages = scattered_block_table(lens, page, 1, gen, pool_pages=FLEX_POOL_TOKENS // page + 1)
+    for label in args.flex_pages:
+        # page 0 is flexpage's null page; the rows' pages come from the whole fixed-size pool
+        table, num_pages, page, run = flex_layout_table(label, lens, gen)
         k_pool, v_pool = fill_pool(k, v, lens, table, page, num_pages)
         batch = build_paged_batch(
             table.int(), lens.int(), torch.ones(case.batch, dtype=torch.int32),
-            page_size=page, num_pages=num_pages, recipe=CAUSAL,
+            page_size=page, num_pages=num_pages, recipe=CAUSAL, pages_per_block=run,
         )
         runner = FlexRunner(CAUSAL, compile=True)
-        name = f"flex_p{page}"
+        name = f"flex_{label}"
         try:
             ms, out = time_once(lambda: runner(q, k_pool, v_pool, batch))
         except Exception as error:  # a crash is loud but should not throw away the rest of the run
@@ -335,14 +368,14 @@ def run_decode_case(case: DecodeCase, args, ctx: dict) -> dict:
 
     # derived numbers
     sdpa_ms = timings["sdpa"]["median_ms"]
-    for page in args.flex_pages:
-        if f"flex_p{page}" not in timings:
+    for label in args.flex_pages:
+        if f"flex_{label}" not in timings:
             continue
-        f_ms = timings[f"flex_p{page}"]["median_ms"]
-        row[f"flex_p{page}_ms"] = f_ms
-        row[f"flex_p{page}_over_sdpa"] = f_ms / sdpa_ms
-        row[f"flex_p{page}_gbs"] = live_bytes / (f_ms * 1e-3) / 1e9
-        row[f"flex_p{page}_over_floor"] = f_ms / row["floor_ms_row_copy"]
+        f_ms = timings[f"flex_{label}"]["median_ms"]
+        row[f"flex_{label}_ms"] = f_ms
+        row[f"flex_{label}_over_sdpa"] = f_ms / sdpa_ms
+        row[f"flex_{label}_gbs"] = live_bytes / (f_ms * 1e-3) / 1e9
+        row[f"flex_{label}_over_floor"] = f_ms / row["floor_ms_row_copy"]
     row["sdpa_ms"] = sdpa_ms
     exp_by_page: dict[int, dict] = {}
     for page, partition in exp_configs:
@@ -384,10 +417,10 @@ def run_prefill(args, errors: list[str]) -> list[dict]:
             k = torch.randn(seqs, heads, total, dim, generator=gen).to(dtype)
             v = torch.randn(seqs, heads, total, dim, generator=gen).to(dtype)
             q = torch.randn(seqs, heads, new, dim, generator=gen).to(dtype)
-            table, num_pages = scattered_block_table(lens, page, 1, gen, pool_pages=FLEX_POOL_TOKENS // page + 1)
+            table, num_pages, page, run = flex_layout_table("p16", lens, gen)
             k_pool, v_pool = fill_pool(k, v, lens, table, page, num_pages)
             batch = build_paged_batch(table.int(), lens.int(), torch.full((seqs,), new, dtype=torch.int32),
-                                      page_size=page, num_pages=num_pages, recipe=CAUSAL)
+                                      page_size=page, num_pages=num_pages, recipe=CAUSAL, pages_per_block=run)
             q_flat = q.transpose(1, 2).reshape(seqs * new, heads, dim).contiguous()
             runner = FlexRunner(CAUSAL, compile=True)
             if cached == 0:
@@ -452,6 +485,10 @@ def run_block_masks(args) -> dict:
                 return build_paged_batch(t, lens32, ones, page_size=page, num_pages=n, recipe=CAUSAL)
 
             fns[f"build_paged_batch ({label})"] = build
+        table, num_pages, _, run = flex_layout_table("p16", lens, gen)
+        fns["build_paged_batch (16k-page pool, 128-token key blocks)"] = (
+            lambda t=table.int(), n=num_pages, r=run: build_paged_batch(t, lens32, ones, page_size=page, num_pages=n,
+                                                                        recipe=CAUSAL, pages_per_block=r))
         pa, _, _ = experimental_setup(lens, page, gen)
         logical = logical_decode_block_mask(lens, page)
         fns["exp convert_logical_block_mask"] = lambda: pa.convert_logical_block_mask(logical, kv_len=lens)
@@ -579,13 +616,13 @@ def fmt(x: float | None, nd: int = 1) -> str:
 
 
 def decode_table(rows: list[dict], flex_pages: tuple[int, ...]) -> tuple[list[str], list[list[str]]]:
-    header = ["row", "dtype"] + [f"flex p{p} ms" for p in flex_pages] + ["SDPA ms", "flex16/SDPA"]
+    header = ["row", "dtype"] + [f"flex {p} ms" for p in flex_pages] + ["SDPA ms", "flex16/SDPA"]
     header += [f"exp p{p} ms" for p in EXP_PAGE_SIZES] + ["exp best", "flex16/exp", "flex16 GB/s", "floor ms",
                                                          "flex16/floor", "noise"]
     body = []
     for r in rows:
         line = [r["case"], r["dtype"].replace("float32", "fp32").replace("bfloat16", "bf16")]
-        line += ["ERR" if r.get(f"flex_p{p}_error") else fmt(r.get(f"flex_p{p}_ms")) for p in flex_pages]
+        line += ["ERR" if r.get(f"flex_{p}_error") else fmt(r.get(f"flex_{p}_ms")) for p in flex_pages]
         line += [fmt(r["sdpa_ms"]), fmt(r.get("flex_p16_over_sdpa"), 2)]
         best = r.get("exp_best_by_page", {})
         for p in EXP_PAGE_SIZES:
@@ -664,8 +701,8 @@ def write_plot(results: dict, path: str) -> None:
     for ax, dtype in zip(axes[0], dtypes):
         rs = sorted((r for r in rows if r["dtype"] == dtype), key=lambda r: r["batch"])
         xs = [r["batch"] for r in rs]
-        series = [("flexpage p16", [r.get("flex_p16_ms") for r in rs], "o-"),
-                  ("flexpage p64", [r.get("flex_p64_ms") for r in rs], "o--"),
+        series = [("flexpage p16 (128-token key blocks)", [r.get("flex_p16_ms") for r in rs], "o-"),
+                  ("flexpage p16, key block = page", [r.get("flex_p16k16_ms") for r in rs], "o--"),
                   ("SDPA padded", [r["sdpa_ms"] for r in rs], "s-"),
                   ("experimental best page", [r.get("exp_best", {}).get("ms") for r in rs], "^-"),
                   ("copy floor (KV bytes / copy BW)", [r["floor_ms_row_copy"] for r in rs], "k:")]
@@ -883,7 +920,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.plot = args.plot or (DEFAULT_PLOT if full else None)
     args.reps = args.reps or (15 if full else 6)
     args.prefill_reps = args.prefill_reps or (10 if full else 4)
-    args.flex_pages = (16, 64) if full else (16,)
+    args.flex_pages = ("p16", "p16k16", "p64") if full else ("p16",)
     return args
 
 

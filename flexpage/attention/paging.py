@@ -95,7 +95,10 @@ def build_paged_batch(
 ) -> PagedBatch:
     """Plan one step of paged attention.
 
-    block_tables: [S, J] int, physical page ids per logical page (pad with 0, the null page)
+    block_tables: [S, J] int, physical page ids per logical page (pad with 0, the null page).
+                  Inside a sequence's length a null page is accepted only where ``recipe``'s
+                  block rule says no query of the row can see it and no new token lands in
+                  it: pages a sliding-window layer group gave back (they are never visited).
     seq_lens:     [S] int, tokens of each sequence in the pool after this step's writes
     query_lens:   [S] int, new tokens per sequence this step (>= 1); the flat token order
                   is sequence 0's new tokens, then sequence 1's, ...
@@ -111,7 +114,8 @@ def build_paged_batch(
               "a positive int")
     check_arg(num_pages % pages_per_block == 0, "num_pages", num_pages,
               f"a multiple of pages_per_block={pages_per_block}")
-    block_tables, seq_lens, query_lens = _check_inputs(block_tables, seq_lens, query_lens, page_size, num_pages)
+    block_tables, seq_lens, query_lens = _check_inputs(block_tables, seq_lens, query_lens, page_size, num_pages,
+                                                       recipe)
     seq_lens_l = seq_lens.long()
     query_lens_l = query_lens.long()
     starts = torch.cumsum(query_lens_l, 0) - query_lens_l
@@ -135,7 +139,8 @@ def build_paged_batch(
 
 
 def _check_inputs(
-    block_tables: Tensor, seq_lens: Tensor, query_lens: Tensor, page_size: int, num_pages: int
+    block_tables: Tensor, seq_lens: Tensor, query_lens: Tensor, page_size: int, num_pages: int,
+    recipe: Recipe | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     check_arg(block_tables.dim() == 2, "block_tables", tuple(block_tables.shape), "a 2-D [num_seqs, max_pages] tensor")
     num_seqs, width = block_tables.shape
@@ -156,11 +161,25 @@ def _check_inputs(
     used = torch.arange(width)[None, :] < needed[:, None]
     null_used = torch.nonzero((block_tables == 0) & used)
     if null_used.numel():
-        row = int(null_used[0, 0])
-        raise ValueError(
-            f"block_tables: row {row} has seq_lens {int(seq_lens[row])}, which needs {int(needed[row])} pages, "
-            f"but its page {int(null_used[0, 1])} is the null page 0 (a sequence longer than its blocks)"
-        )
+        rows, pages = null_used[:, 0], null_used[:, 1].long()
+        q_lo = (seq_lens - query_lens).long()[rows]
+        kv_lo = pages * page_size
+        kv_hi = kv_lo + page_size - 1
+        # a released page (sliding window) is fine: nobody can see it and nothing is written there
+        missing = kv_hi >= q_lo
+        if recipe is None:
+            missing = torch.ones_like(missing)
+        else:
+            may, _ = recipe.block_rule(rows, q_lo, seq_lens.long()[rows] - 1, kv_lo, kv_hi)
+            missing = missing | torch.as_tensor(may, dtype=torch.bool).expand_as(missing)
+        bad = torch.nonzero(missing).flatten()
+        if bad.numel():
+            row, page = int(rows[bad[0]]), int(pages[bad[0]])
+            raise ValueError(
+                f"block_tables: row {row} has seq_lens {int(seq_lens[row])}, which needs {int(needed[row])} pages, "
+                f"but its page {page} is the null page 0 (a sequence longer than its blocks; only pages "
+                "outside every query's window may be released)"
+            )
     return block_tables, seq_lens, query_lens
 
 
@@ -183,24 +202,25 @@ def _page_to_logical(block_tables: Tensor, seq_lens: Tensor, page_size: int, num
 
     One table serves all rows because a physical page sits at the same logical index in
     every sequence that holds it (prefix sharing and copy-on-write share whole prefixes).
-    Pages no row uses map to -1. The mask still checks that a page belongs to the row
+    Pages no row uses map to -1, and so does the null page 0 (padding, and pages a
+    sliding-window group released: never a logical page of anyone). The mask still checks that a page belongs to the row
     (the compiled kernel only visits listed pages anyway; eager mode visits every slot).
     """
     num_seqs, width = block_tables.shape
     logical = torch.arange(width, dtype=torch.int32).expand(num_seqs, width)
-    in_use = logical < ((seq_lens + page_size - 1) // page_size)[:, None]
-    pages = block_tables.long()[in_use]
-    index = logical[in_use]
-    table = torch.full((num_pages,), -1, dtype=torch.int32)
-    table[pages] = index
-    clash = torch.nonzero(table[pages] != index).flatten()
-    if clash.numel():
+    in_use = (logical < ((seq_lens + page_size - 1) // page_size)[:, None]) & (block_tables != 0)
+    # entries not in use write to a spare slot past the end (no boolean indexing: it syncs and copies)
+    pages = torch.where(in_use, block_tables.long(), num_pages).flatten()
+    table = torch.full((num_pages + 1,), -1, dtype=torch.int32)
+    table[pages] = logical.flatten()
+    if bool(((table[pages] != logical.flatten()) & in_use.flatten()).any()):
+        clash = torch.nonzero((table[pages] != logical.flatten()) & in_use.flatten()).flatten()
         page = int(pages[clash[0]])
         raise ValueError(
-            f"block_tables: physical page {page} appears at logical pages {int(index[clash[0]])} and "
+            f"block_tables: physical page {page} appears at logical pages {int(logical.flatten()[clash[0]])} and "
             f"{int(table[page])}; a shared page must hold the same positions in every sequence"
         )
-    return table
+    return table[:num_pages]
 
 
 def _build_group(
@@ -252,13 +272,12 @@ def _build_group(
     kv_hi = kv_lo + page_size - 1
     b = row_seq[:, None, None]
     may, every = recipe.block_rule(b, q_lo, q_hi, kv_lo, kv_hi)
-    may = may & (q_rows > 0) & (kv_lo < seq_len[:, None, None])
+    may = may & (q_rows > 0) & (kv_lo < seq_len[:, None, None]) & (table != 0)[:, None, :]  # released pages
     every = every & may & (kv_hi < seq_len[:, None, None])
     partial, full, block_ids = _kernel_blocks(may, every, table, pages_per_block)
     # the kernel wants index rows as wide as its key-block count; entries past the counts are never read
-    num_blocks = num_pages // pages_per_block
-    kv_num_blocks, kv_indices = _compact(partial, block_ids, num_blocks)
-    full_kv_num_blocks, full_kv_indices = _compact(full, block_ids, num_blocks)
+    (kv_num_blocks, kv_indices), (full_kv_num_blocks, full_kv_indices) = _compact(
+        partial, full, block_ids, num_pages // pages_per_block)
     flat = token_index.flatten()
     real = torch.nonzero(flat < num_tokens).flatten()
     return AttentionGroup(
@@ -310,13 +329,21 @@ def _kernel_blocks(may: Tensor, every: Tensor, table: Tensor, pages_per_block: i
     return real & any_may & ~full, full, block_ids.masked_fill(~real[:, 0], 0)
 
 
-def _compact(selected: Tensor, table: Tensor, width_out: int) -> tuple[Tensor, Tensor]:
-    """Selected entries first: ``[B, M, J]`` bool -> counts ``[B,1,M]``, ids ``[B,1,M,width_out]``."""
-    order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True)
-    ids = torch.gather(table[:, None, :].expand_as(order), -1, order)
-    counts = selected.sum(-1, dtype=torch.int32)
-    # only the first ``counts`` entries are ever read, so the tail can stay uninitialised
-    out = torch.zeros(*ids.shape[:2], width_out, dtype=torch.int32)
-    width = min(ids.shape[-1], width_out)  # selected entries come first and are distinct
-    out[..., :width] = ids[..., :width]
-    return counts[:, None], out[:, None]
+def _compact(partial: Tensor, full: Tensor, ids: Tensor, width_out: int) -> tuple[tuple[Tensor, Tensor], ...]:
+    """Partial and full key blocks, each listed first: ``[B, M, J]`` bools + ids ``[B, J]`` ->
+    (counts ``[B,1,M]``, ids ``[B,1,M,width_out]``) for each. One sort serves both lists."""
+    key = torch.where(partial, 0, torch.where(full, 1, 2)).to(torch.int8)
+    order = torch.sort(key, dim=-1, stable=True).indices
+    ordered = torch.gather(ids[:, None, :].expand_as(order), -1, order).to(torch.int32)
+    num_partial = partial.sum(-1, dtype=torch.int32)
+    num_full = full.sum(-1, dtype=torch.int32)
+    width = min(ordered.shape[-1], width_out)  # listed blocks are distinct, so at most width_out of them
+    full_start = torch.arange(width)[None, None, :] + num_partial[..., None].long()
+    full_ordered = torch.gather(ordered, -1, full_start.clamp(max=ordered.shape[-1] - 1))
+    lists = []
+    for counts, listed in ((num_partial, ordered[..., :width]), (num_full, full_ordered)):
+        # only the first ``counts`` entries are ever read; zeros (not garbage) keep eager mode and repr safe
+        out = torch.zeros(*ordered.shape[:2], width_out, dtype=torch.int32)
+        out[..., :width] = listed
+        lists.append((counts[:, None], out[:, None]))
+    return tuple(lists)
