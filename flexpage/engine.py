@@ -21,7 +21,7 @@ from flexpage.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from flexpage.core.sequence import Sequence, SequenceStatus
 from flexpage.model.detokenizer import IncrementalDetokenizer
 from flexpage.model.loader import default_dtype, load_hf_model, load_tokenizer, parse_dtype, resolve_model_path
-from flexpage.model.runner import ModelRunner, StepInputs
+from flexpage.model.runner import ModelRunner, StepInputs, layer_groups_of
 from flexpage.model.sampler import TokenHistory, make_generator, sample
 from flexpage.outputs import CompletionOutput, Logprob, RequestOutput
 from flexpage.sampling_params import SamplingParams
@@ -69,7 +69,9 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or min(getattr(text_config, "max_position_embeddings", 4096), 8192)
         self.vocab_size = text_config.vocab_size
         self.eos_token_ids = _eos_ids(model, self.tokenizer)
-        bytes_per_block = _kv_bytes_per_token(text_config, dtype) * config.block_size
+        # one block holds one layer group's layers (all layers unless sliding and full layers mix)
+        self.layer_groups = layer_groups_of(model.config)
+        bytes_per_block = _kv_bytes_per_token(text_config, dtype, len(self.layer_groups[0].layers)) * config.block_size
         num_blocks = config.num_blocks or max(2, parse_size(config.kv_cache_memory) // bytes_per_block)
         compile = config.compile and os.environ.get("FLEXPAGE_COMPILE", "1") != "0"
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size, compile=compile,
@@ -78,6 +80,7 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
             num_host_blocks=self.runner.num_host_blocks, run_length=config.blocks_per_attention_block,
+            group_windows=[group.window for group in self.runner.layer_groups],
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -192,6 +195,11 @@ class LLMEngine:
             seq = item.seq
             inputs.token_ids.extend(item.token_ids)
             inputs.block_tables.append(seq.block_table)
+            if len(seq.block_tables) > 1:  # one table per layer group
+                if not inputs.group_block_tables:
+                    inputs.group_block_tables = [[] for _ in seq.block_tables]
+                for tables, table in zip(inputs.group_block_tables, seq.block_tables):
+                    tables.append(table)
             inputs.seq_lens.append(item.start + item.num_new_tokens)
             inputs.query_lens.append(item.num_new_tokens)
             if item.sample:
@@ -305,7 +313,9 @@ class LLMEngine:
             "prefix_cache_hit_rate": blocks.prefix_cache_hits / max(1, blocks.prefix_cache_queries),
             "preemptions": self.scheduler.num_preemptions,
             "swapped_blocks": blocks.host_used,
-            "kv_capacity_tokens": (blocks.total - 1) * self.config.block_size,
+            "released_window_blocks": blocks.released_window_blocks,
+            # a token takes a slot in every layer group (sliding groups give theirs back later)
+            "kv_capacity_tokens": (blocks.total - 1) * self.config.block_size // len(self.layer_groups),
             **self.counters,
         }
 
@@ -314,9 +324,12 @@ class LLMEngine:
         filled: dict[int, int] = {}
         size = self.config.block_size
         for seq in self.scheduler.running:
-            for i, block in enumerate(seq.block_table):
-                stored = min(size, max(0, seq.num_computed_tokens - i * size))
-                filled[block] = max(filled.get(block, 0), stored)
+            for table in seq.block_tables:
+                for i, block in enumerate(table):
+                    if block == 0:  # given back by a sliding-window group
+                        continue
+                    stored = min(size, max(0, seq.num_computed_tokens - i * size))
+                    filled[block] = max(filled.get(block, 0), stored)
         return sum(filled.values()) / (len(filled) * size) if filled else 1.0
 
 
@@ -334,8 +347,9 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     return [ids] if isinstance(ids, int) else list(ids)
 
 
-def _kv_bytes_per_token(text_config: Any, dtype: torch.dtype) -> int:
+def _kv_bytes_per_token(text_config: Any, dtype: torch.dtype, num_layers: int | None = None) -> int:
     heads = text_config.num_attention_heads
     kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
-    return 2 * text_config.num_hidden_layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+    num_layers = text_config.num_hidden_layers if num_layers is None else num_layers
+    return 2 * num_layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()

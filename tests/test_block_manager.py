@@ -365,6 +365,78 @@ def test_reset_prefix_cache() -> None:
     assert bm.num_cached_prefix_tokens(Sequence(1, range(9))) == 0
 
 
+# -- sliding-window release and layer groups ------------------------------------------------
+
+
+def test_sliding_group_releases_blocks_out_of_every_window() -> None:
+    """Full group 0 keeps every block; sliding group 1 (window 6, blocks of 4) keeps only what a
+    query at >= num_computed_tokens can see: block i goes once (i+1)*4 <= computed - 5."""
+    bm = BlockManager(20, 4, group_windows=(None, 6))
+    seq = Sequence(0, range(10))
+    assert bm.blocks_for_admission(seq) == 6 and bm.can_allocate(seq)
+    bm.allocate(seq)
+    assert seq.block_tables == [[1, 2, 3], [4, 5, 6]]
+    compute(bm, seq)  # computed 10: the next query (10) sees 5..10, so block 0 (0..3) is dead
+    assert seq.block_tables == [[1, 2, 3], [0, 5, 6]]
+    s = bm.stats()
+    assert (s.used, s.cached, s.released_window_blocks) == (5, 1, 1)  # block 4 was full: cached
+    for token in range(10, 16):
+        seq.append_token(token)
+        compute(bm, seq)
+    # computed 16: the next query sees 11..16: blocks 0, 1 (0..7) dead, block 2 (8..11) still needed
+    assert seq.block_tables == [[1, 2, 3, 7], [0, 0, 6, 8]]
+    assert (bm.stats().used, bm.stats().released_window_blocks) == (6, 2)
+    bm.free(seq)
+    s = bm.stats()
+    assert s.used == 0 and s.free + s.cached == 19 and seq.block_tables == [[], []]
+
+
+def test_sliding_only_prefix_hit_skips_released_blocks() -> None:
+    """Window 6: a prefix hit of 3 blocks needs only the blocks a query at 12 still sees (1, 2);
+    the dead first page starts out as the null block, so it is neither revived nor counted."""
+    bm = BlockManager(12, 4, group_windows=(6,))
+    a = Sequence(0, range(13))
+    bm.allocate(a)
+    compute(bm, a)  # computed 13: blocks 0 and 1 (0..7) released, both cached
+    assert a.block_table == [0, 0, 3, 4] and bm.stats().cached == 2
+    b = Sequence(1, range(13))
+    assert bm.num_cached_prefix_tokens(b) == 12
+    free_before = bm.num_free_or_cached
+    bm.allocate(b)  # revives block 2, shares block 3, allocates one
+    assert b.block_table == [0, 2, 3, 5] and b.num_computed_tokens == 12
+    assert bm.num_free_or_cached == free_before - 2
+    assert bm.pool.ref_count(1) == 0 and bm.pool.ref_count(3) == 2
+    compute(bm, b)
+    assert b.block_table == [0, 0, 3, 5]
+    # a hybrid model needs the whole prefix in its full group, the window in its sliding group
+    hybrid = BlockManager(12, 4, group_windows=(None, 6))
+    c = Sequence(2, range(13))
+    hybrid.allocate(c)
+    compute(hybrid, c)
+    d = Sequence(3, range(13))
+    hybrid.allocate(d)
+    assert d.num_computed_tokens == 12 and d.block_tables[1][0] == 0 and 0 not in d.block_tables[0]
+
+
+def test_swap_and_fork_keep_released_entries_null() -> None:
+    bm = BlockManager(20, 4, num_host_blocks=8, group_windows=(None, 5))
+    seq = Sequence(0, range(14))
+    bm.allocate(seq)
+    compute(bm, seq)  # computed 14: sliding blocks 0, 1 released
+    assert seq.block_tables[1][:2] == [0, 0]
+    child = seq.fork(1)
+    bm.fork(seq, child)
+    assert child.block_tables == seq.block_tables
+    pairs = bm.swap_out(seq)
+    assert len(pairs) == 4 + 2 and len(seq.host_block_tables[1]) == 2  # live blocks only
+    bm.swap_in(seq)
+    assert seq.block_tables[1][:2] == [0, 0] and 0 not in seq.block_tables[1][2:]
+    for s in (seq, child):
+        bm.free(s)
+    stats = bm.stats()
+    assert stats.used == 0 and stats.host_used == 0
+
+
 # -- property test ------------------------------------------------------------------------
 
 PREFIXES = [[], [1, 2, 1, 2, 1, 2, 1, 2, 1], [3, 3, 3, 3, 0, 0, 0, 0]]
@@ -387,24 +459,31 @@ class ShadowKV:
             dst[d] = blk
 
     def write(self, seq: Sequence, start: int, n: int) -> None:
-        for p in range(start, start + n):
-            self._blk(self.dev, seq.block_table[p // self.bs])[p % self.bs] = tuple(seq.token_ids[: p + 1])
+        for table in seq.block_tables:  # every layer group computes the new positions
+            for p in range(start, start + n):
+                assert table[p // self.bs] != 0, (seq, p)
+                self._blk(self.dev, table[p // self.bs])[p % self.bs] = tuple(seq.token_ids[: p + 1])
 
     def check(self, seq: Sequence) -> None:
-        for p in range(seq.num_computed_tokens):
-            got = self._blk(self.dev, seq.block_table[p // self.bs])[p % self.bs]
-            assert got == tuple(seq.token_ids[: p + 1]), (seq, p)
+        for table in seq.block_tables:
+            for p in range(seq.num_computed_tokens):
+                if table[p // self.bs] == 0:  # released by a sliding group: nobody reads it again
+                    continue
+                got = self._blk(self.dev, table[p // self.bs])[p % self.bs]
+                assert got == tuple(seq.token_ids[: p + 1]), (seq, p)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
     prefix_caching = True
     run_length = 1
+    group_windows: tuple[int | None, ...] = (None,)
+    num_blocks = 9
 
     def __init__(self) -> None:
         super().__init__()
         self.bs = 4
-        self.bm = BlockManager(9, self.bs, enable_prefix_caching=self.prefix_caching, num_host_blocks=8,
-                               run_length=self.run_length)
+        self.bm = BlockManager(self.num_blocks, self.bs, enable_prefix_caching=self.prefix_caching, num_host_blocks=8,
+                               run_length=self.run_length, group_windows=self.group_windows)
         self.kv = ShadowKV(self.bs)
         self.live: dict[int, Sequence] = {}
         self.family: dict[int, int] = {}
@@ -417,9 +496,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _compute(self, seq: Sequence, n: int) -> None:
         start = seq.num_computed_tokens
         self.kv.copy(self.bm.append_slots(seq, n), self.kv.dev, self.kv.dev)
-        for p in range(start, start + n):  # the runner only ever writes exclusively owned blocks
-            block = seq.block_table[p // self.bs]
-            assert self.bm.pool.ref_count(block) == 1 and self.bm.pool.block_hash(block) is None
+        for table in seq.block_tables:
+            for p in range(start, start + n):  # the runner only ever writes exclusively owned blocks
+                block = table[p // self.bs]
+                assert self.bm.pool.ref_count(block) == 1 and self.bm.pool.block_hash(block) is None
         self.kv.write(seq, start, n)
         self.bm.mark_computed(seq, n)
 
@@ -447,7 +527,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(token=st.integers(4, 7))
     def pressure(self, token: int) -> None:
         """A sequence needing every free block and more: forces LRU eviction of cached blocks."""
-        want = self.bm.stats().free + 1
+        want = self.bm.stats().free // len(self.group_windows) + 1
         seq = Sequence(self.next_id, [token] * (want * self.bs))
         if self.bm.can_allocate(seq):
             self.bm.allocate(seq)
@@ -497,9 +577,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = self._pick(data, lambda s: s.block_table)
         if seq is None or not self.bm.can_swap_out(seq):
             return
-        table = list(seq.block_table)
+        live = [b for table in seq.block_tables for b in table if b != 0]
         pairs = self.bm.swap_out(seq)
-        assert [d for d, _ in pairs] == table
+        assert [d for d, _ in pairs] == live
         self.kv.copy(pairs, self.kv.dev, self.kv.host)
 
     @rule(data=st.data())
@@ -516,29 +596,34 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self) -> None:
         bm, live = self.bm, list(self.live.values())
-        refs = Counter(b for s in live for b in s.block_table)
-        assert 0 not in refs
+        refs = Counter(b for s in live for t in s.block_tables for b in t if b != 0)
         for b in range(1, bm.num_blocks):
             assert bm.pool.ref_count(b) == refs.get(b, 0), b
         stats = bm.stats()
         assert stats.free + stats.cached + stats.used == stats.total - 1
         assert stats.used == len(refs)
         assert stats.free == sum(bm.pool.is_free(b) for b in range(bm.num_blocks))
-        hosts = [h for s in live for h in s.host_block_table]
+        hosts = [h for s in live for t in s.host_block_tables for h in t]
         assert len(hosts) == len(set(hosts)) == stats.host_used
-        holders: dict[int, tuple[int, int]] = {}
+        assert stats.released_window_blocks >= 0
+        holders: dict[int, tuple[int, int, int]] = {}
         for s in live:
             assert not (s.block_table and s.host_block_table)
-            assert len(set(s.block_table)) == len(s.block_table)
             assert s.num_computed_tokens <= s.num_tokens
-            table = s.block_table or s.host_block_table
-            assert len(table) * self.bs >= s.num_computed_tokens
-            for i, b in enumerate(s.block_table):
-                if b in holders:  # shared: same position, and same family or a hashed prefix block
-                    idx, fam = holders[b]
-                    assert idx == i
-                    assert fam == self.family[s.seq_id] or bm.pool.block_hash(b) is not None
-                holders[b] = (i, self.family[s.seq_id])
+            if s.host_block_table:
+                assert len(s.host_block_tables) == len(self.group_windows)
+            for g, table in enumerate(s.block_tables if s.block_table else []):
+                dead = bm.num_released(g, s.num_computed_tokens)
+                # released entries are exactly the leading pages no future query can see
+                assert table[:dead] == [0] * dead and 0 not in table[dead:], (g, s)
+                assert len(table) * self.bs >= s.num_computed_tokens
+                assert len(set(table[dead:])) == len(table) - dead
+                for i, b in enumerate(table[dead:], dead):
+                    if b in holders:  # shared: same group and position, same family or a hashed prefix block
+                        grp, idx, fam = holders[b]
+                        assert (grp, idx) == (g, i)
+                        assert fam == self.family[s.seq_id] or bm.pool.block_hash(b) is not None
+                    holders[b] = (g, i, self.family[s.seq_id])
             if s.block_table:
                 self.kv.check(s)
 
@@ -558,6 +643,26 @@ class RunsMachine(BlockManagerMachine):
     run_length = 4
 
 
+class SlidingMachine(BlockManagerMachine):
+    """Every layer slides (Mistral): window 3 < block size, blocks released as computing advances."""
+
+    group_windows = (3,)
+
+
+class HybridMachine(BlockManagerMachine):
+    """A full and a sliding layer group (Gemma2) sharing one pool."""
+
+    group_windows = (None, 6)
+    num_blocks = 17
+
+
+class HybridRunsMachine(BlockManagerMachine):
+    group_windows = (None, 5, 5)
+    num_blocks = 25
+    run_length = 4
+    prefix_caching = False
+
+
 _machine_settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = _machine_settings
@@ -565,3 +670,9 @@ TestNoPrefixCacheMachine = NoPrefixCacheMachine.TestCase
 TestNoPrefixCacheMachine.settings = _machine_settings
 TestRunsMachine = RunsMachine.TestCase
 TestRunsMachine.settings = _machine_settings
+TestSlidingMachine = SlidingMachine.TestCase
+TestSlidingMachine.settings = _machine_settings
+TestHybridMachine = HybridMachine.TestCase
+TestHybridMachine.settings = _machine_settings
+TestHybridRunsMachine = HybridRunsMachine.TestCase
+TestHybridRunsMachine.settings = _machine_settings

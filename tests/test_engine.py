@@ -142,6 +142,41 @@ def test_tiny_models_depend_on_their_attention_rules(kind, disabled, tiny_model,
     assert [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS] != hf_reference(kind)
 
 
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+def test_sliding_window_layers_give_blocks_back(kind, tiny_model, llm_factory, hf_reference):
+    """Window 12, blocks of 4: once a sequence's prefill is done, each sliding layer group holds
+    at most ceil(12/4)+1 = 4 live blocks (the rest of its table is the null block 0), Gemma2's
+    full-attention group holds every block, and the tokens are still HF's."""
+    block_size = 4
+    llm = llm_factory(tiny_model(kind), block_size=block_size, num_blocks=160)
+    engine = llm.engine
+    windows = [group.window for group in engine.runner.layer_groups]
+    assert windows == ([SLIDING_WINDOW] if kind == "mistral" else [None, SLIDING_WINDOW])
+    assert engine.block_manager.group_windows == tuple(windows)
+    released = engine.stats()["released_window_blocks"]
+    ids = [engine.add_request({"prompt_token_ids": p}, GREEDY) for p in PROMPTS]
+    done: dict[str, list[int]] = {}
+    bound = -(-SLIDING_WINDOW // block_size) + 1
+    peak = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        for seq in engine.scheduler.running:
+            assert len(seq.block_tables) == len(windows)
+            for window, table in zip(windows, seq.block_tables):
+                live = [b for b in table if b != 0]
+                if window is None:
+                    assert len(live) == len(table) >= -(-seq.num_computed_tokens // block_size)
+                elif seq.num_uncomputed_tokens <= 1:  # prefill done: only the window is kept
+                    assert len(live) <= bound, (seq, table)
+                    assert table[: len(table) - len(live)] == [0] * (len(table) - len(live))  # leading nulls
+                    peak = max(peak, len(table) - len(live))
+    assert [done[i] for i in ids] == hf_reference(kind)
+    assert peak >= 10  # the 60-token prompt dropped most of its sliding blocks
+    assert engine.stats()["released_window_blocks"] > released
+
+
 # --------------------------------------------------------------------------- pool pressure, chunking, block sizes
 
 
@@ -152,8 +187,11 @@ def _blocks(lengths: tuple[int, ...], block_size: int) -> int:
 # Six ragged prompts in a pool two blocks smaller than their prompts need together: the
 # decodes outgrow the pool whatever the block size, chunking or preemption mode, so
 # somebody is always preempted (ignore_eos keeps the schedule independent of the tokens).
+# The Mistral there has a window of 24: its sliding layers give blocks back (the longer
+# sequences pass it), yet keep more than a window of 12 would, so the pool stays tight.
 PRESSURE_LENGTHS = (5, 17, 33, 60, 9, 24)
 PRESSURE_TOKENS = 16
+PRESSURE_WINDOW = 24
 PRESSURE_PROMPTS = random_prompts(PRESSURE_LENGTHS, seed=7)
 PRESSURE_GREEDY = SamplingParams(temperature=0.0, max_tokens=PRESSURE_TOKENS, ignore_eos=True)
 
@@ -164,7 +202,7 @@ def pressure_pool(block_size: int) -> int:
 
 @pytest.fixture(scope="module")
 def pressure_reference(tiny_model):
-    model = load_reference(tiny_model("mistral"))
+    model = load_reference(tiny_model("mistral", sliding_window=PRESSURE_WINDOW))
     return [hf_greedy(model, p, PRESSURE_TOKENS, stop_at_eos=False) for p in PRESSURE_PROMPTS]
 
 
@@ -185,15 +223,17 @@ POOL_CASES = [
 
 @pytest.mark.parametrize(("config", "block_size"), POOL_CASES)
 def test_greedy_matches_hf_under_preemption(config, block_size, tiny_model, llm_factory, pressure_reference):
-    """Mistral (window 12) in a pool smaller than its prompts: preempted, chunked, still HF's tokens."""
-    llm = llm_factory(tiny_model("mistral"), block_size=block_size, num_blocks=pressure_pool(block_size), **config)
+    """Mistral (window 24) in a pool smaller than its prompts: blocks released, preempted, chunked, HF's tokens."""
+    llm = llm_factory(tiny_model("mistral", sliding_window=PRESSURE_WINDOW), block_size=block_size,
+                      num_blocks=pressure_pool(block_size), **config)
     engine = llm.engine
-    preemptions = engine.stats()["preemptions"]
+    preemptions, released = engine.stats()["preemptions"], engine.stats()["released_window_blocks"]
     with recorded_steps(engine) as log:
         outputs = llm.generate(as_inputs(PRESSURE_PROMPTS), PRESSURE_GREEDY)
 
     assert tokens_of(outputs) == pressure_reference
     assert engine.stats()["preemptions"] > preemptions
+    assert engine.stats()["released_window_blocks"] > released
     if config["preemption_mode"] == "swap":  # blocks still cached on the device come back without a copy
         assert log.swapped_out > 0 and log.swapped_in <= log.swapped_out
     else:

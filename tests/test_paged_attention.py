@@ -363,3 +363,32 @@ def test_compiled_decode_with_more_rows_than_the_page_size():
     step = PagedCase(spec, FP32_GQA_D64, causal(), page_size=16, num_pages=1200, width=64)
     err = rel_err(step.run(compile=True), step.reference())
     assert err < FP32_GQA_D64.tol, f"relative error {err:.2e}"
+
+
+def test_pages_released_by_a_sliding_window_are_never_visited():
+    """Window 20, pages of 16: rows at 60 (decode) and 50..59 (chunk) see nothing below page 2
+    (positions 32+ only for the decode row; 31+ for the chunk needs page 1), so those pages may be
+    the null page: the output equals the full table's, with garbage in page 0 and the old pages."""
+    from recipes.sliding_window import sliding_window
+
+    g = torch.Generator().manual_seed(3)
+    recipe = sliding_window(20)
+    k_pool = torch.randn(1, 2, NUM_PAGES * PAGE_SIZE, 32, generator=g)
+    v_pool = torch.randn(1, 2, NUM_PAGES * PAGE_SIZE, 32, generator=g)
+    q = torch.randn(1 + 10, 4, 32, generator=g)
+    seq_lens, query_lens = torch.tensor([61, 60]), torch.tensor([1, 10])
+
+    def run(tables):
+        batch = build_paged_batch(torch.tensor(tables, dtype=torch.int32), seq_lens, query_lens,
+                                  page_size=PAGE_SIZE, num_pages=NUM_PAGES, recipe=recipe)
+        return FlexRunner(recipe, compile=False)(q, k_pool, v_pool, batch)
+
+    full = run([[1, 2, 3, 4], [5, 6, 7, 8]])
+    released = run([[0, 0, 3, 4], [0, 6, 7, 8]])
+    torch.testing.assert_close(released, full, rtol=0, atol=0)
+    # a page some query still sees, or a full-attention recipe, keeps the clear error
+    with pytest.raises(ValueError, match=r"row 1 has seq_lens 60, which needs 4 pages, but its page 1 is the null page 0"):
+        run([[0, 0, 3, 4], [0, 0, 7, 8]])
+    with pytest.raises(ValueError, match=r"row 0 has seq_lens 61, which needs 4 pages, but its page 0 is the null page 0"):
+        build_paged_batch(torch.tensor([[0, 0, 3, 4]], dtype=torch.int32), torch.tensor([61]), torch.tensor([1]),
+                          page_size=PAGE_SIZE, num_pages=NUM_PAGES, recipe=causal())

@@ -9,6 +9,8 @@ cheap to test exhaustively.
 Layers, bottom up:
 
 * :mod:`flexpage.core.sequence`: one request's token ids and progress counters.
+* :mod:`flexpage.core.layer_groups`: attention layers grouped by window (full /
+  sliding), one block table per group.
 * :mod:`flexpage.core.block_pool`: physical blocks, ref counts, the prefix-cache
   hash index and LRU eviction.
 * :mod:`flexpage.core.block_manager`: per-sequence block tables on top of the
@@ -19,6 +21,7 @@ Layers, bottom up:
 
 from flexpage.core.block_manager import BlockManager, BlockStats
 from flexpage.core.block_pool import NULL_BLOCK_ID, BlockPool, NoFreeBlocksError
+from flexpage.core.layer_groups import LayerGroup, layer_windows, plan_layer_groups
 from flexpage.core.scheduler import Scheduler, SchedulerConfig
 from flexpage.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from flexpage.core.sequence import Sequence, SequenceStatus
@@ -28,6 +31,7 @@ __all__ = [
     "BlockManager",
     "BlockPool",
     "BlockStats",
+    "LayerGroup",
     "NoFreeBlocksError",
     "ScheduledSequence",
     "Scheduler",
@@ -35,4 +39,6 @@ __all__ = [
     "SchedulerOutput",
     "Sequence",
     "SequenceStatus",
+    "layer_windows",
+    "plan_layer_groups",
 ]

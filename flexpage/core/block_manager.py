@@ -13,11 +13,30 @@ full *and its KV is computed* (:meth:`BlockManager.mark_computed`), so prompts
 and generated tokens alike become reusable, e.g. the next chat turn hits
 prompt + the model's earlier answer. A lookup never covers the last token of
 a sequence: the model must compute at least one position to produce logits.
+
+Layer groups and sliding windows (see :mod:`flexpage.core.layer_groups`): the manager
+keeps one positional table per layer group in ``seq.block_tables``, all drawing from one
+:class:`BlockPool`. A sliding-window group (window ``W``) gives back, as soon as
+``num_computed_tokens`` moves past them, the leading blocks whose every position is
+outside the window of every current and future query (queries only move forward, so the
+next query is at ``>= num_computed_tokens``): :meth:`BlockManager.num_released` of them.
+Each is decref'd (free, or prefix-cached when full and hashed) and its table entry
+becomes the null block 0, so a sliding table is always ``[0] * num_released + live``.
+Released pages are never read: the attention planner accepts a null page only where the
+layer's own mask rule says no query of the row can see it.
+
+Prefix caching keeps working per group: hashes are keyed by group (a block of one group
+holds other layers' KV than the same tokens in another group), and a hit of ``h`` blocks
+needs, in every group, the blocks that a query at position ``h * block_size`` can still
+see -- all ``h`` for full attention, only the window's for a sliding group (its leading
+entries start out null). Host tables hold the live blocks only; swap-in restores the
+leading nulls from ``num_computed_tokens``.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 
 from flexpage.core.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool, NoFreeBlocksError, hash_block_tokens
@@ -52,6 +71,8 @@ class BlockStats:
     prefix_cache_queries: int  # tokens looked up at admission
     prefix_cache_hits: int  # tokens served from the cache at admission
     evictions: int  # cached blocks whose content was dropped for reuse
+    #: blocks sliding-window layer groups gave back early (out of every query's window)
+    released_window_blocks: int = 0
 
     @property
     def num_free_or_cached(self) -> int:
@@ -79,8 +100,19 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
         run_length: int = 1,
+        group_windows: SequenceABC[int | None] = (None,),
     ) -> None:
-        """``run_length``: blocks per aligned run, the attention kernel's key block (see BlockPool)."""
+        """``run_length``: blocks per aligned run, the attention kernel's key block (see BlockPool).
+
+        ``group_windows``: one entry per layer group (see :mod:`flexpage.core.layer_groups`),
+        None for full attention or the sliding window ``W`` of the group's layers.
+        """
+        group_windows = tuple(group_windows)
+        if not group_windows or len(group_windows) > 0xFFFF:
+            raise ValueError(f"group_windows must have 1..65535 entries, got {len(group_windows)}")
+        for w in group_windows:
+            if w is not None:
+                _check_int("group_windows entry", w, 1)
         _check_int("num_blocks", num_blocks, 2)
         _check_int("block_size", block_size, 1)
         _check_int("num_host_blocks", num_host_blocks, 0)
@@ -93,8 +125,34 @@ class BlockManager:
         self._host_free: deque[int] = deque(range(num_host_blocks))
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self.group_windows = group_windows
+        self.num_released_blocks = 0
 
     null_block_id = NULL_BLOCK_ID
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
+    def num_released(self, group: int, num_computed_tokens: int) -> int:
+        """Leading blocks of ``group``'s table that no query at a position ``>= num_computed_tokens`` sees.
+
+        A query at ``q`` sees ``q-W+1 .. q``, so block ``i`` (positions ``i*bs .. i*bs+bs-1``)
+        is dead once ``i*bs + bs - 1 < num_computed_tokens - W + 1``. Always 0 for full attention.
+        The block of the last computed token is always kept (this only matters for ``W == 1``),
+        so a table that holds blocks is never all null.
+        """
+        window = self.group_windows[group]
+        if window is None:
+            return 0
+        return max(0, (num_computed_tokens - max(window, 2) + 1) // self.block_size)
+
+    def _key(self, group: int, block_hash: BlockHash) -> BlockHash:
+        """The prefix-cache key of a block of ``group`` (group 0 uses the plain chained hash)."""
+        return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
+
+    def _empty(self) -> list[list[int]]:
+        return [[] for _ in self.group_windows]
 
     @property
     def num_usable_blocks(self) -> int:
@@ -116,6 +174,7 @@ class BlockManager:
             prefix_cache_queries=self._prefix_queries,
             prefix_cache_hits=self._prefix_hits,
             evictions=self.pool.num_evictions,
+            released_window_blocks=self.num_released_blocks,
         )
 
     def reset_prefix_cache(self) -> int:
@@ -131,18 +190,38 @@ class BlockManager:
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding the longest cached prefix, leaving >= 1 token to compute."""
+    def _cached_prefix(self, seq: Sequence) -> list[list[int]]:
+        """Per group, the block ids of the longest prefix cached in every group (>= 1 token left).
+
+        All groups' lists have the same length ``h``; a sliding group's leading
+        ``num_released(g, h * block_size)`` entries are the null block (not needed).
+        """
         if not self.enable_prefix_caching:
-            return []
+            return self._empty()
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        hits: list[int] = []
-        for block_hash in self._hashes(seq, max_blocks)[:max_blocks]:
-            block_id = self.pool.lookup(block_hash)
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
+        hashes = self._hashes(seq, max_blocks)[:max_blocks]
+        limit = max_blocks  # full-attention groups need every block: stop at their first miss
+        for g, window in enumerate(self.group_windows):
+            if window is None:
+                limit = next((i for i in range(limit) if self.pool.lookup(self._key(g, hashes[i])) is None), limit)
+        by_group = [[self.pool.lookup(self._key(g, h)) for h in hashes[:limit]] for g in range(self.num_groups)]
+        # last_miss[g][h]: index of the last missing block below h (-1: none)
+        last_miss = []
+        for ids in by_group:
+            marks, last = [-1], -1
+            for i, b in enumerate(ids):
+                last = i if b is None else last
+                marks.append(last)
+            last_miss.append(marks)
+        bs = self.block_size
+        for h in range(limit, 0, -1):
+            if all(last_miss[g][h] < self.num_released(g, h * bs) for g in range(self.num_groups)):
+                out = []
+                for g, ids in enumerate(by_group):
+                    dead = self.num_released(g, h * bs)
+                    out.append([NULL_BLOCK_ID] * dead + ids[dead:h])  # type: ignore[operator]
+                return out
+        return self._empty()
 
     def hashes_filled_by(self, seq: Sequence, num_new_tokens: int) -> list[BlockHash]:
         """Hashes of the blocks that computing the next ``num_new_tokens`` positions fills."""
@@ -154,20 +233,29 @@ class BlockManager:
         """Hash of the first prompt block a fresh allocation would have to compute (None: all cached)."""
         if not self.enable_prefix_caching:
             return None
-        hits = len(self._cached_prefix(seq))
+        hits = len(self._cached_prefix(seq)[0])
         if hits >= (seq.num_tokens - 1) // self.block_size:
             return None
         return self._hashes(seq, hits + 1)[hits]
 
     def num_cached_prefix_tokens(self, seq: Sequence) -> int:
         """Tokens :meth:`allocate` would take from the cache right now (no side effects)."""
-        return len(self._cached_prefix(seq)) * self.block_size
+        return len(self._cached_prefix(seq)[0]) * self.block_size
 
     # -- admission ---------------------------------------------------------------
-    def _blocks_to_allocate(self, seq: Sequence, hits: list[int]) -> int:
-        # Reviving a cached hit consumes an evictable block just like a fresh one.
-        revived = sum(1 for b in hits if self.pool.ref_count(b) == 0)
-        return seq.num_blocks_needed(self.block_size) - len(hits) + revived
+    def _blocks_to_allocate(self, seq: Sequence, hits: list[list[int]]) -> int:
+        # Reviving a cached hit consumes an evictable block just like a fresh one; the null
+        # entries of a sliding group's hit (already out of its window) need no block at all.
+        need = seq.num_blocks_needed(self.block_size)
+        total = 0
+        for group_hits in hits:
+            revived = sum(1 for b in group_hits if b != NULL_BLOCK_ID and self.pool.ref_count(b) == 0)
+            total += need - len(group_hits) + revived
+        return total
+
+    def blocks_for_admission(self, seq: Sequence) -> int:
+        """Blocks a fresh allocation of ``seq`` takes with an empty prefix cache (all groups)."""
+        return seq.num_blocks_needed(self.block_size) * self.num_groups
 
     def can_allocate(self, seq: Sequence, watermark_blocks: int = 0) -> bool:
         """Whether :meth:`allocate` fits while keeping ``watermark_blocks`` spare."""
@@ -181,18 +269,22 @@ class BlockManager:
         re-admit a recompute-preempted sequence: its generated tokens are part
         of ``token_ids`` and hit the cache like the prompt does.
         """
-        if seq.block_table or seq.host_block_table:
+        if any(seq.block_tables) or any(seq.host_block_tables):
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
         hits = self._cached_prefix(seq)
         if self._blocks_to_allocate(seq, hits) > self.pool.num_free_or_cached:
             raise NoFreeBlocksError(f"not enough blocks to allocate sequence {seq.seq_id}")
-        for block_id in hits:
-            self.pool.incref(block_id)
-        table = list(hits)
-        for _ in range(seq.num_blocks_needed(self.block_size) - len(hits)):
-            table.append(self._allocate_after(table))
-        seq.block_table = table
-        cached = len(hits) * self.block_size
+        tables = []
+        for group_hits in hits:
+            for block_id in group_hits:
+                if block_id != NULL_BLOCK_ID:
+                    self.pool.incref(block_id)
+            table = list(group_hits)
+            for _ in range(seq.num_blocks_needed(self.block_size) - len(group_hits)):
+                table.append(self._allocate_after(table))
+            tables.append(table)
+        seq.block_tables = tables
+        cached = len(hits[0]) * self.block_size
         seq.num_computed_tokens = cached
         if seq.num_output_tokens == 0:  # report prompt tokens only, first admission
             seq.num_cached_tokens = cached
@@ -206,11 +298,14 @@ class BlockManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if not seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} holds no device blocks (allocate or swap_in first)")
-        table, bs = seq.block_table, self.block_size
+        bs = self.block_size
         needed = _cdiv(seq.num_computed_tokens + num_new_tokens, bs)
-        first = seq.num_computed_tokens // bs
-        cow = sum(1 for i in range(first, min(needed, len(table))) if self.pool.ref_count(table[i]) > 1)
-        return max(0, needed - len(table)) + cow
+        first = seq.num_computed_tokens // bs  # >= every sliding group's released prefix
+        total = 0
+        for table in seq.block_tables:
+            cow = sum(1 for i in range(first, min(needed, len(table))) if self.pool.ref_count(table[i]) > 1)
+            total += max(0, needed - len(table)) + cow
+        return total
 
     def can_append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self._blocks_to_append(seq, num_new_tokens) <= self.pool.num_free_or_cached
@@ -224,23 +319,35 @@ class BlockManager:
         """
         if self._blocks_to_append(seq, num_new_tokens) > self.pool.num_free_or_cached:
             raise NoFreeBlocksError(f"not enough blocks to append {num_new_tokens} tokens to {seq.seq_id}")
-        table, bs = seq.block_table, self.block_size
+        bs = self.block_size
         needed = _cdiv(seq.num_computed_tokens + num_new_tokens, bs)
         copies: list[tuple[int, int]] = []
-        for i in range(seq.num_computed_tokens // bs, min(needed, len(table))):
-            src = table[i]
-            if self.pool.ref_count(src) > 1:
-                dst = self.pool.allocate(table[i - 1] if i else None)
-                self.pool.decref(src)
-                table[i] = dst
-                copies.append((src, dst))
-        while len(table) < needed:
-            table.append(self._allocate_after(table))
+        for table in seq.block_tables:
+            for i in range(seq.num_computed_tokens // bs, min(needed, len(table))):
+                src = table[i]
+                if self.pool.ref_count(src) > 1:
+                    dst = self._allocate_after(table[:i])
+                    self.pool.decref(src)
+                    table[i] = dst
+                    copies.append((src, dst))
+            while len(table) < needed:
+                table.append(self._allocate_after(table))
         return copies
 
     def _allocate_after(self, table: list[int]) -> int:
         """A new block for the end of ``table``, continuing its last block's run if possible."""
-        return self.pool.allocate(table[-1] if table else None)
+        last = table[-1] if table else NULL_BLOCK_ID
+        return self.pool.allocate(last if last != NULL_BLOCK_ID else None)
+
+    def _release_out_of_window(self, seq: Sequence) -> None:
+        """Give back the leading blocks of sliding groups that no query can see any more."""
+        for g, table in enumerate(seq.block_tables):
+            i = min(self.num_released(g, seq.num_computed_tokens), len(table)) - 1
+            while i >= 0 and table[i] != NULL_BLOCK_ID:  # released entries form a leading run
+                self.pool.decref(table[i])
+                table[i] = NULL_BLOCK_ID
+                self.num_released_blocks += 1
+                i -= 1
 
     def mark_computed(self, seq: Sequence, num_new_tokens: int) -> None:
         """Record that the runner computed the next ``num_new_tokens`` positions.
@@ -263,8 +370,10 @@ class BlockManager:
         seq.num_computed_tokens = new_computed
         if self.enable_prefix_caching and new_full > old_full:
             hashes = self._hashes(seq, new_full)
-            for i in range(old_full, new_full):
-                self.pool.set_hash(seq.block_table[i], hashes[i])
+            for g, table in enumerate(seq.block_tables):
+                for i in range(old_full, new_full):  # never released yet: those lie below old_full
+                    self.pool.set_hash(table[i], self._key(g, hashes[i]))
+        self._release_out_of_window(seq)  # hashed first, so full released blocks stay cached
 
     # -- sharing and release -----------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -275,11 +384,13 @@ class BlockManager:
         """
         if not parent.block_table:
             raise ValueError(f"parent sequence {parent.seq_id} holds no device blocks")
-        if child.block_table or child.host_block_table:
+        if any(child.block_tables) or any(child.host_block_tables):
             raise ValueError(f"child sequence {child.seq_id} already holds blocks")
-        for block_id in parent.block_table:
-            self.pool.incref(block_id)
-        child.block_table = list(parent.block_table)
+        for table in parent.block_tables:
+            for block_id in table:
+                if block_id != NULL_BLOCK_ID:
+                    self.pool.incref(block_id)
+        child.block_tables = [list(table) for table in parent.block_tables]
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence) -> None:
@@ -288,35 +399,54 @@ class BlockManager:
         Blocks are released tail first, so a sequence's later blocks are
         evicted before its earlier ones: a cached prefix stays reachable longer.
         """
-        for block_id in reversed(seq.block_table):
-            self.pool.decref(block_id)
-        seq.block_table = []
-        self._host_free.extend(seq.host_block_table)
-        seq.host_block_table = []
+        for table in seq.block_tables:
+            for block_id in reversed(table):
+                if block_id != NULL_BLOCK_ID:
+                    self.pool.decref(block_id)
+        seq.block_tables = self._empty()
+        for host_table in seq.host_block_tables:
+            self._host_free.extend(host_table)
+        seq.host_block_tables = self._empty()
         seq.num_computed_tokens = 0
 
     # -- host swap tier ------------------------------------------------------------------
+    @staticmethod
+    def _num_live(tables: list[list[int]]) -> int:
+        return sum(1 for table in tables for b in table if b != NULL_BLOCK_ID)
+
     def can_swap_out(self, seq: Sequence) -> bool:
-        return bool(seq.block_table) and len(seq.block_table) <= len(self._host_free)
+        return bool(seq.block_table) and self._num_live(seq.block_tables) <= len(self._host_free)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
         """Move ``seq``'s KV to host slots; returns ``(device_block, host_block)`` copies.
 
-        ``num_computed_tokens`` is kept: the KV still exists, just on the host.
+        ``num_computed_tokens`` is kept: the KV still exists, just on the host. Released
+        (null) entries of sliding groups are not copied: host tables hold live blocks only.
         """
         if not self.can_swap_out(seq):
             raise NoFreeBlocksError(f"cannot swap out sequence {seq.seq_id}: not enough host blocks")
-        pairs = [(block_id, self._host_free.popleft()) for block_id in seq.block_table]
-        for block_id in reversed(seq.block_table):
-            self.pool.decref(block_id)
-        seq.block_table = []
-        seq.host_block_table = [host for _, host in pairs]
+        pairs: list[tuple[int, int]] = []
+        host_tables = []
+        for table in seq.block_tables:
+            host_table = []
+            for block_id in table:
+                if block_id != NULL_BLOCK_ID:
+                    host_table.append(self._host_free.popleft())
+                    pairs.append((block_id, host_table[-1]))
+            host_tables.append(host_table)
+        for table in seq.block_tables:
+            for block_id in reversed(table):
+                if block_id != NULL_BLOCK_ID:
+                    self.pool.decref(block_id)
+        seq.block_tables = self._empty()
+        seq.host_block_tables = host_tables
         return pairs
 
     def can_swap_in(self, seq: Sequence, watermark_blocks: int = 0) -> bool:
         if not seq.host_block_table:
             return False
-        return self.pool.num_free_or_cached - len(seq.host_block_table) >= watermark_blocks
+        # host tables hold live blocks only (and host slot 0 is an ordinary slot)
+        return self.pool.num_free_or_cached - sum(map(len, seq.host_block_tables)) >= watermark_blocks
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
         """Bring a swapped sequence back; returns ``(host_block, device_block)`` copies.
@@ -328,19 +458,23 @@ class BlockManager:
             raise NoFreeBlocksError(f"cannot swap in sequence {seq.seq_id}")
         num_full = seq.num_computed_tokens // self.block_size
         hashes = self._hashes(seq, num_full) if self.enable_prefix_caching else []
-        table: list[int] = []
+        tables: list[list[int]] = []
         pairs: list[tuple[int, int]] = []
-        for i, host in enumerate(seq.host_block_table):
-            block_id = self.pool.lookup(hashes[i]) if i < num_full and hashes else None
-            if block_id is not None:
-                self.pool.incref(block_id)
-            else:
-                block_id = self._allocate_after(table)
-                pairs.append((host, block_id))
-                if i < num_full and hashes:
-                    self.pool.set_hash(block_id, hashes[i])
-            table.append(block_id)
-        self._host_free.extend(seq.host_block_table)
-        seq.host_block_table = []
-        seq.block_table = table
+        for g, host_table in enumerate(seq.host_block_tables):
+            table = [NULL_BLOCK_ID] * self.num_released(g, seq.num_computed_tokens)
+            for host in host_table:
+                i = len(table)
+                block_id = self.pool.lookup(self._key(g, hashes[i])) if i < num_full and hashes else None
+                if block_id is not None:
+                    self.pool.incref(block_id)
+                else:
+                    block_id = self._allocate_after(table)
+                    pairs.append((host, block_id))
+                    if i < num_full and hashes:
+                        self.pool.set_hash(block_id, self._key(g, hashes[i]))
+                table.append(block_id)
+            tables.append(table)
+            self._host_free.extend(host_table)
+        seq.host_block_tables = self._empty()
+        seq.block_tables = tables
         return pairs

@@ -12,6 +12,12 @@ budget. Order of service, so that in-flight work never starves:
 4. waiting sequences, in arrival order, while budget, ``max_num_seqs`` and free
    blocks above the watermark allow.
 
+Every decision goes through the block manager, which sums over the model's layer groups
+(one block table each, one shared pool; see :mod:`flexpage.core.layer_groups`), so a
+sequence is admitted only when every group fits. Sliding-window groups give blocks back
+as sequences advance (in ``mark_computed``), which is how a long Mistral/Gemma sequence
+stays within a bounded number of blocks per sliding group.
+
 Steps 3-4 are skipped in a step that preempted anything (the pool is under
 pressure), and step 4 while anything is still swapped out (it goes first).
 A waiting sequence is given blocks for *all* its tokens at admission, so a
@@ -94,11 +100,12 @@ class Scheduler:
                 f"max_model_len={self.config.max_model_len}"
             )
         bm = self.block_manager
-        need = seq.num_blocks_needed(bm.block_size)
+        need = bm.blocks_for_admission(seq)
         if need > bm.num_usable_blocks:
+            groups = f" across {bm.num_groups} layer groups" if bm.num_groups > 1 else ""
             raise ValueError(
                 f"prompt of sequence {seq.seq_id} ({seq.num_tokens} tokens) needs {need} blocks of "
-                f"block_size={bm.block_size}, but the pool has num_blocks={bm.num_blocks} "
+                f"block_size={bm.block_size}{groups}, but the pool has num_blocks={bm.num_blocks} "
                 f"({bm.num_usable_blocks} usable; block 0 is reserved)"
             )
         self._seqs[seq.seq_id] = seq

@@ -71,8 +71,8 @@ class Sequence:
         "num_prompt_tokens",
         "num_computed_tokens",
         "num_cached_tokens",
-        "block_table",
-        "host_block_table",
+        "block_tables",
+        "host_block_tables",
         "block_hashes",
         "status",
         "arrival_index",
@@ -99,10 +99,12 @@ class Sequence:
         self.num_prompt_tokens: int = len(token_ids)
         self.num_computed_tokens: int = 0
         self.num_cached_tokens: int = 0
-        #: Device block ids, one per ``block_size`` positions (owned by the BlockManager).
-        self.block_table: list[int] = []
-        #: Host slot ids while SWAPPED (owned by the BlockManager).
-        self.host_block_table: list[int] = []
+        #: Device block ids per layer group (see :mod:`flexpage.core.layer_groups`), one per
+        #: ``block_size`` positions; a sliding-window group holds the null block 0 for the
+        #: leading pages it gave back (owned by the BlockManager).
+        self.block_tables: list[list[int]] = [[]]
+        #: Host slot ids per layer group while SWAPPED (owned by the BlockManager).
+        self.host_block_tables: list[list[int]] = [[]]
         #: Chained prefix-cache hashes of this sequence's full blocks, filled
         #: lazily by the BlockManager. Valid because token_ids only ever grow.
         self.block_hashes: list[bytes] = []
@@ -110,6 +112,25 @@ class Sequence:
         self.arrival_index: int = next(_arrival_counter) if arrival_index is None else arrival_index
         self.max_tokens: int | None = max_tokens
         self.request: Any = request
+
+    # -- block tables --------------------------------------------------------
+    @property
+    def block_table(self) -> list[int]:
+        """Group 0's device table: the only one for a model with a single kind of layer."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
+
+    @property
+    def host_block_table(self) -> list[int]:
+        """Group 0's host table while SWAPPED."""
+        return self.host_block_tables[0]
+
+    @host_block_table.setter
+    def host_block_table(self, table: list[int]) -> None:
+        self.host_block_tables[0] = table
 
     # -- derived sizes -----------------------------------------------------
     @property
@@ -167,9 +188,13 @@ class Sequence:
         child.status = self.status
         return child
 
+    @staticmethod
+    def _tables(tables: list[list[int]]) -> object:
+        return tables[0] if len(tables) == 1 else tables
+
     def __repr__(self) -> str:
         return (
             f"Sequence(seq_id={self.seq_id}, status={self.status.name}, tokens={self.num_tokens}, "
             f"prompt={self.num_prompt_tokens}, computed={self.num_computed_tokens}, "
-            f"blocks={self.block_table}, host_blocks={self.host_block_table})"
+            f"blocks={self._tables(self.block_tables)}, host_blocks={self._tables(self.host_block_tables)})"
         )

@@ -10,6 +10,14 @@ per-step state travels as an explicit keyword argument (``flexpage_step``) throu
 The batch is flat: ``input_ids [1, T]`` holds every scheduled token of every sequence,
 ``position_ids [1, T]`` their logical positions; only the rows that sample a token go
 through the LM head (``logits_to_keep``).
+
+Layer groups (see :mod:`flexpage.core.layer_groups`): layers are grouped by attention
+kind (full / sliding window) into groups of equal size ``S``; the pool stores ``S`` layers
+per block and each group has its own block table per sequence. Layer ``l`` of group ``g``
+(``j``-th in it) writes and reads pool layer slot ``j`` through group ``g``'s tables, so a
+block id serves one group at a time and a sliding group's released pages (the null block
+in its tables) are simply never visited. A model with one kind of layer has one group of
+every layer: one table, a pool of all layers, as before.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from flexpage.attention.hf_backend import recipe_for
 from flexpage.attention.kv_pool import KVPool
 from flexpage.attention.paging import PagedBatch, build_paged_batch, next_power_of_two
 from flexpage.attention.recipe import Recipe
+from flexpage.core.layer_groups import LayerGroup, layer_windows, plan_layer_groups
 
 IMPLEMENTATION_NAME = "flexpage_paged"
 
@@ -37,6 +46,8 @@ class StepInputs:
     seq_lens: list[int]  # tokens in the pool per sequence after this step
     query_lens: list[int]  # new tokens per sequence this step
     sample_rows: list[int]  # flat index of each token whose logits are wanted
+    #: per layer group, per sequence (``[group][seq]``); empty: one group, ``block_tables``
+    group_block_tables: list[list[list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -51,14 +62,33 @@ class PagedStep:
     pages_per_block: int = 1
     batches: dict[str, PagedBatch] = field(default_factory=dict)
     runners: dict[tuple[str, float | None], FlexRunner] = field(default_factory=dict)
+    #: layer groups: each group's tables (group 0's is ``block_tables``), and for each layer
+    #: its group and its slot in the pool. Empty: one group of every layer (slot = layer).
+    group_tables: tuple[Tensor, ...] = ()
+    layer_group: tuple[int, ...] = ()
+    layer_slot: tuple[int, ...] = ()
+    group_windows: tuple[int | None, ...] = ()
 
-    def batch_for(self, recipe: Recipe) -> PagedBatch:
-        if recipe.name not in self.batches:
-            self.batches[recipe.name] = build_paged_batch(
-                self.block_tables, self.seq_lens, self.query_lens, page_size=self.pool.block_size,
-                num_pages=self.pool.num_blocks, recipe=recipe, pages_per_block=self.pages_per_block,
+    def batch_for(self, recipe: Recipe, group: int = 0) -> PagedBatch:
+        key = recipe.name if group == 0 else f"{recipe.name}@group{group}"
+        if key not in self.batches:
+            self.batches[key] = build_paged_batch(
+                self.group_tables[group] if group else self.block_tables, self.seq_lens, self.query_lens,
+                page_size=self.pool.block_size, num_pages=self.pool.num_blocks, recipe=recipe,
+                pages_per_block=self.pages_per_block,
             )
-        return self.batches[recipe.name]
+        return self.batches[key]
+
+    def check_window(self, layer: int, sliding_window: int | None) -> None:
+        """A layer of a sliding group must apply exactly its group's window, or released pages would be missed."""
+        if not self.group_windows:
+            return
+        expected = self.group_windows[self.layer_group[layer] if self.layer_group else 0]
+        if expected is not None and sliding_window != expected:
+            raise ValueError(
+                f"layer {layer}: attends with sliding_window={sliding_window}, but its layer group releases "
+                f"KV blocks outside a window of {expected} (the model config's layer kinds were read wrong)"
+            )
 
 
 def paged_attention_forward(
@@ -76,6 +106,7 @@ def paged_attention_forward(
 ) -> tuple[Tensor, None]:
     if flexpage_step is None:
         raise ValueError("flexpage_step: got None; attn_implementation='flexpage_paged' runs only inside ModelRunner")
+    flexpage_step.check_window(module.layer_idx, sliding_window)
     out = _attend(flexpage_step, module.layer_idx, recipe_for(sliding_window, softcap), scaling,
                   query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))  # [T, H, D]
     return out[None], None
@@ -83,9 +114,10 @@ def paged_attention_forward(
 
 def _attend(step: PagedStep, layer: int, recipe: Recipe, scale: float | None, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """Write this layer's new K/V ``[T, H_kv, D]`` into the pool, then attend with ``q`` ``[T, H, D]``."""
-    batch = step.batch_for(recipe)
-    k_pool, v_pool = step.pool.layer(layer)
-    step.pool.write(layer, batch.slots, k, v)
+    batch = step.batch_for(recipe, step.layer_group[layer] if step.layer_group else 0)
+    slot = step.layer_slot[layer] if step.layer_slot else layer
+    k_pool, v_pool = step.pool.layer(slot)
+    step.pool.write(slot, batch.slots, k, v)
     runner_key = (recipe.name, scale)
     if runner_key not in step.runners:
         step.runners[runner_key] = FlexRunner(recipe, compile=step.compile, scale=scale)
@@ -122,8 +154,14 @@ class ModelRunner:
             _route_bloom_attention(model, self)
         self.dtype = next(model.parameters()).dtype
         self.blocks_per_attention_block = blocks_per_attention_block
+        self.layer_groups = layer_groups_of(config)
+        self._layer_group = [0] * text_config.num_hidden_layers
+        self._layer_slot = [0] * text_config.num_hidden_layers
+        for g, group in enumerate(self.layer_groups):
+            for j, layer in enumerate(group.layers):
+                self._layer_group[layer], self._layer_slot[layer] = g, j
         self.pool = KVPool(
-            num_layers=text_config.num_hidden_layers,
+            num_layers=len(self.layer_groups[0].layers),  # layers per block: one group's
             # whole attention blocks: the blocks past num_blocks are never handed out
             num_blocks=-(-num_blocks // blocks_per_attention_block) * blocks_per_attention_block,
             block_size=block_size,
@@ -141,13 +179,24 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, inputs: StepInputs) -> Tensor:
         """Forward the flat batch; returns float32 logits ``[len(sample_rows), vocab]``."""
-        width = next_power_of_two(max(len(t) for t in inputs.block_tables))
-        tables = torch.zeros(len(inputs.block_tables), width, dtype=torch.int32)
-        for row, table in enumerate(inputs.block_tables):
-            tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        per_group = inputs.group_block_tables or [inputs.block_tables]
+        if len(per_group) != len(self.layer_groups):
+            raise ValueError(f"group_block_tables: {len(per_group)} groups, the model has {len(self.layer_groups)}")
+        width = next_power_of_two(max(len(t) for g in per_group for t in g))
+        group_tables = []
+        for block_tables in per_group:
+            tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
+            for row, table in enumerate(block_tables):
+                tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            group_tables.append(tables)
+        multi = len(self.layer_groups) > 1
         step = PagedStep(
             pool=self.pool,
-            block_tables=tables,
+            block_tables=group_tables[0],
+            group_tables=tuple(group_tables),
+            layer_group=tuple(self._layer_group) if multi else (),
+            layer_slot=tuple(self._layer_slot) if multi else (),
+            group_windows=tuple(g.window for g in self.layer_groups),
             seq_lens=torch.tensor(inputs.seq_lens),
             query_lens=torch.tensor(inputs.query_lens),
             compile=self.compile,
@@ -180,6 +229,14 @@ class ModelRunner:
     def _host_slots(self, blocks: tuple[int, ...]) -> Tensor:
         ids = torch.tensor(blocks, dtype=torch.long)
         return (ids[:, None] * self.pool.block_size + torch.arange(self.pool.block_size)).flatten()
+
+
+def layer_groups_of(config: object) -> tuple[LayerGroup, ...]:
+    """The layer groups (one block table each) of an HF model config; see :mod:`flexpage.core.layer_groups`."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(config, "model_type", None) == "bloom":  # ALiBi, no window (rerouted attention)
+        return plan_layer_groups([None] * text_config.num_hidden_layers)
+    return plan_layer_groups(layer_windows(text_config))
 
 
 def _positions(seq_lens: list[int], query_lens: list[int]) -> Tensor:
