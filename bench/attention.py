@@ -60,8 +60,9 @@ FLEX_POOL_TOKENS = 64 * 4096
 TOL = {"float32": 1e-4, "bfloat16": 3e-2}
 # flexpage layouts: label -> (page size, pages per kernel key block). "p16" is what the engine runs: 16-token
 # pages handed out by flexpage's BlockPool in aligned runs of 8 (rows growing in turn, page by page, as in
-# decode), read as 128-token key blocks. "p16k16"/"p64": key block = page, pages scattered at random.
-FLEX_LAYOUTS = {"p16": (16, 8), "p16k16": (16, 1), "p64": (64, 1)}
+# decode), read as 128-token key blocks; "p16k256": the same with runs of 16 (256-token key blocks).
+# "p16k16"/"p64": key block = page, pages scattered at random.
+FLEX_LAYOUTS = {"p16": (16, 8), "p16k256": (16, 16), "p16k16": (16, 1), "p64": (64, 1)}
 
 
 # --------------------------------------------------------------------------- timing
@@ -920,7 +921,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.plot = args.plot or (DEFAULT_PLOT if full else None)
     args.reps = args.reps or (15 if full else 6)
     args.prefill_reps = args.prefill_reps or (10 if full else 4)
-    args.flex_pages = ("p16", "p16k16", "p64") if full else ("p16",)
+    args.flex_pages = ("p16", "p16k256", "p16k16") if full else ("p16",)
     return args
 
 
@@ -986,7 +987,8 @@ def main(argv: list[str] | None = None) -> int:
             results["decode"].append(row)
             eb = row.get("exp_best")
             print(f"  decode {case.name:<18} {case.dtype:<8} flex16 {fmt(row.get('flex_p16_ms'), 2):>8}  "
-                  + (f"flex64 {row['flex_p64_ms']:8.2f}  " if "flex_p64_ms" in row else "")
+                  + "".join(f"{label} {row[f'flex_{label}_ms']:8.2f}  " for label in args.flex_pages[1:]
+                            if f"flex_{label}_ms" in row)
                   + f"sdpa {row['sdpa_ms']:8.2f}  ratio {fmt(row.get('flex_p16_over_sdpa'), 2)}  "
                   + (f"exp best {eb['ms']:.2f} (p{eb['page']}, ps{eb['partition']})  " if eb else "")
                   + f"floor {row['floor_ms_row_copy']:.2f} ms  [{time.perf_counter() - t0:.0f} s]", flush=True)

@@ -31,6 +31,7 @@ def generate(
     chat: bool = typer.Option(False, help="Wrap each prompt as a user message with the chat template."),
     dtype: str = typer.Option("auto", help="auto | bfloat16 | float32."),
     block_size: int = typer.Option(16),
+    attention_block_size: int = typer.Option(128, help="Tokens per attention key block (blocks come in runs of it)."),
     num_blocks: Optional[int] = typer.Option(None),
     kv_cache_memory: str = typer.Option("1GiB"),
     eager: bool = typer.Option(False, help="Run attention without torch.compile (debugging)."),
@@ -50,7 +51,8 @@ def generate(
         raise typer.Exit(2) from error
     try:
         with console.status("loading model"):
-            llm = LLM(model, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
+            llm = LLM(model, dtype=dtype, block_size=block_size, attention_block_size=attention_block_size,
+                      num_blocks=num_blocks,
                       kv_cache_memory=kv_cache_memory, compile=not eager)
     except ValueError as error:
         console.print(f"[red]error:[/red] {error}")
@@ -100,6 +102,8 @@ def serve(
     max_model_len: Optional[int] = typer.Option(None, help="Longest prompt + completion in tokens; default from the "
                                                            "model (at most 8192)."),
     block_size: int = typer.Option(16, help="Tokens per KV block."),
+    attention_block_size: int = typer.Option(128, help="Tokens per attention key block: KV blocks are handed out "
+                                                       "in aligned runs this long, read as one key block."),
     kv_cache_memory: Optional[str] = typer.Option(None, help="KV pool size, e.g. 512MiB, 2GiB [default: 1GiB]."),
     num_blocks: Optional[int] = typer.Option(None, help="KV pool size in blocks (instead of --kv-cache-memory)."),
     max_num_seqs: int = typer.Option(64, help="Sequences batched at once."),
@@ -125,7 +129,8 @@ def serve(
         raise typer.Exit(2)
     settings = ServeSettings(
         model=model, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
-        max_model_len=max_model_len, block_size=block_size, kv_cache_memory=kv_cache_memory or "1GiB",
+        max_model_len=max_model_len, block_size=block_size, attention_block_size=attention_block_size,
+        kv_cache_memory=kv_cache_memory or "1GiB",
         num_blocks=num_blocks,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, eager=eager,
         enable_prefix_caching=not no_prefix_caching, swap_space=swap_space, preemption_mode=preemption_mode,

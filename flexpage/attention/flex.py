@@ -53,17 +53,24 @@ def _group_attention(
     kernel_options: dict | None,
 ) -> Tensor:
     g = heads_per_kv
+    # integer division is scalar code in the CPU kernel's vectorised mask: use shifts for the
+    # page size (a power of two), and skip the query-row division where every row is one token
+    page_shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else None
 
     def logical(b: Tensor, q_idx: Tensor, kv_idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        page = kv_idx // page_size
+        if page_shift is None:
+            page, offset = kv_idx // page_size, kv_idx % page_size
+        else:
+            page, offset = kv_idx >> page_shift, kv_idx & (page_size - 1)
         logical_page = page_to_logical[page]
-        kv_pos = logical_page * page_size + kv_idx % page_size
+        kv_pos = logical_page * page_size + offset
         # the compiled kernel only visits pages listed for row b; eager mode visits all
         owned = (logical_page >= 0) & (block_table[b, logical_page.clamp(min=0)] == page)
         valid = owned & (kv_pos < seq_len[b])
         # recipes may index tables by position: keep positions in range even where masked
         last = (seq_len[b] - 1).clamp(min=0)
-        q_pos = torch.minimum(q_start[b] + q_idx // g, last)
+        query = q_start[b] if q_block == 1 else q_start[b] + q_idx // g  # decode: one token per row
+        q_pos = torch.minimum(query, last)
         return q_pos, torch.minimum(kv_pos.clamp(min=0), last), valid
 
     def query_head(h: Tensor, q_idx: Tensor) -> Tensor:

@@ -31,6 +31,7 @@ class ServeSettings:
     served_model_name: str | None = None
     max_model_len: int | None = None
     block_size: int = 16
+    attention_block_size: int = 128
     kv_cache_memory: str = "1GiB"
     num_blocks: int | None = None
     max_num_seqs: int = 64
@@ -67,7 +68,8 @@ def run_server(settings: ServeSettings) -> int:
     if max_body <= 0:
         raise ValueError(f"max_request_body: got {settings.max_request_body!r}, expected a positive size")
     config = EngineConfig(
-        model=settings.model, dtype=settings.dtype, block_size=settings.block_size, num_blocks=settings.num_blocks,
+        model=settings.model, dtype=settings.dtype, block_size=settings.block_size,
+        attention_block_size=settings.attention_block_size, num_blocks=settings.num_blocks,
         kv_cache_memory=settings.kv_cache_memory, swap_space=settings.swap_space,
         max_model_len=settings.max_model_len, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, enable_prefix_caching=settings.enable_prefix_caching,
