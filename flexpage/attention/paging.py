@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -116,26 +117,30 @@ def build_paged_batch(
               f"a multiple of pages_per_block={pages_per_block}")
     block_tables, seq_lens, query_lens = _check_inputs(block_tables, seq_lens, query_lens, page_size, num_pages,
                                                        recipe)
-    seq_lens_l = seq_lens.long()
-    query_lens_l = query_lens.long()
-    starts = torch.cumsum(query_lens_l, 0) - query_lens_l
-    num_tokens = int(query_lens_l.sum())
-    positions, slots = _positions_and_slots(block_tables, seq_lens_l, query_lens_l, starts, num_tokens, page_size)
-    page_to_logical = _page_to_logical(block_tables, seq_lens_l, page_size, num_pages)
-    is_decode = query_lens_l == 1
+    # the plan is index arithmetic on small host arrays: numpy's per-op cost is a few times
+    # lower than torch's, and the results are handed over as tensors without copies
+    tables = block_tables.numpy().astype(np.int64)
+    seq_lens_n = seq_lens.numpy().astype(np.int64)
+    query_lens_n = query_lens.numpy().astype(np.int64)
+    starts = np.cumsum(query_lens_n) - query_lens_n
+    num_tokens = int(query_lens_n.sum())
+    positions, slots = _positions_and_slots(tables, seq_lens_n, query_lens_n, starts, num_tokens, page_size)
+    page_to_logical = torch.from_numpy(_page_to_logical(tables, seq_lens_n, page_size, num_pages))
+    is_decode = query_lens_n == 1
     groups = []
     for mask, q_block in ((is_decode, DECODE_Q_BLOCK), (~is_decode, PREFILL_Q_BLOCK)):
-        rows = torch.nonzero(mask).flatten()
-        if rows.numel() == 0:
+        rows = np.flatnonzero(mask)
+        if rows.size == 0:
             continue
         groups.append(
             _build_group(
-                rows, block_tables, seq_lens_l, query_lens_l, starts, page_to_logical,
+                rows, tables, seq_lens_n, query_lens_n, starts, page_to_logical,
                 num_tokens=num_tokens, num_pages=num_pages, page_size=page_size, q_block=q_block,
                 pages_per_block=pages_per_block, recipe=recipe, bucket=bucket,
             )
         )
-    return PagedBatch(num_tokens, page_size, num_pages, pages_per_block, tuple(groups), positions, slots)
+    return PagedBatch(num_tokens, page_size, num_pages, pages_per_block, tuple(groups),
+                      torch.from_numpy(positions), torch.from_numpy(slots))
 
 
 def _check_inputs(
@@ -188,47 +193,48 @@ def _first(t: Tensor, idx: Tensor) -> int | None:
 
 
 def _positions_and_slots(
-    block_tables: Tensor, seq_lens: Tensor, query_lens: Tensor, starts: Tensor, num_tokens: int, page_size: int
-) -> tuple[Tensor, Tensor]:
-    seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens)
-    offset_in_query = torch.arange(num_tokens) - starts[seq_of_token]
+    tables: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray, starts: np.ndarray, num_tokens: int,
+    page_size: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
+    offset_in_query = np.arange(num_tokens) - starts[seq_of_token]
     positions = (seq_lens - query_lens)[seq_of_token] + offset_in_query
-    pages = block_tables.long()[seq_of_token, positions // page_size]
+    pages = tables[seq_of_token, positions // page_size]
     return positions, pages * page_size + positions % page_size
 
 
-def _page_to_logical(block_tables: Tensor, seq_lens: Tensor, page_size: int, num_pages: int) -> Tensor:
+def _page_to_logical(tables: np.ndarray, seq_lens: np.ndarray, page_size: int, num_pages: int) -> np.ndarray:
     """Logical page index of every physical page in use: ``[num_pages]`` int32.
 
     One table serves all rows because a physical page sits at the same logical index in
     every sequence that holds it (prefix sharing and copy-on-write share whole prefixes).
     Pages no row uses map to -1, and so does the null page 0 (padding, and pages a
-    sliding-window group released: never a logical page of anyone). The mask still checks that a page belongs to the row
-    (the compiled kernel only visits listed pages anyway; eager mode visits every slot).
+    sliding-window group released: never a logical page of anyone). The mask still checks
+    that a page belongs to the row (the compiled kernel only visits listed pages anyway;
+    eager mode visits every slot).
     """
-    num_seqs, width = block_tables.shape
-    logical = torch.arange(width, dtype=torch.int32).expand(num_seqs, width)
-    in_use = (logical < ((seq_lens + page_size - 1) // page_size)[:, None]) & (block_tables != 0)
-    # entries not in use write to a spare slot past the end (no boolean indexing: it syncs and copies)
-    pages = torch.where(in_use, block_tables.long(), num_pages).flatten()
-    table = torch.full((num_pages + 1,), -1, dtype=torch.int32)
-    table[pages] = logical.flatten()
-    if bool(((table[pages] != logical.flatten()) & in_use.flatten()).any()):
-        clash = torch.nonzero((table[pages] != logical.flatten()) & in_use.flatten()).flatten()
+    num_seqs, width = tables.shape
+    logical = np.broadcast_to(np.arange(width, dtype=np.int32), (num_seqs, width)).ravel()
+    in_use = ((np.arange(width)[None, :] < ((seq_lens + page_size - 1) // page_size)[:, None]) & (tables != 0)).ravel()
+    pages = tables.ravel()[in_use]
+    table = np.full(num_pages, -1, dtype=np.int32)
+    table[pages] = logical[in_use]
+    clash = np.flatnonzero(table[pages] != logical[in_use])
+    if clash.size:
         page = int(pages[clash[0]])
         raise ValueError(
-            f"block_tables: physical page {page} appears at logical pages {int(logical.flatten()[clash[0]])} and "
+            f"block_tables: physical page {page} appears at logical pages {int(logical[in_use][clash[0]])} and "
             f"{int(table[page])}; a shared page must hold the same positions in every sequence"
         )
-    return table[:num_pages]
+    return table
 
 
 def _build_group(
-    rows: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    query_lens: Tensor,
-    starts: Tensor,
+    rows: np.ndarray,
+    tables: np.ndarray,
+    seq_lens: np.ndarray,
+    query_lens: np.ndarray,
+    starts: np.ndarray,
     page_to_logical: Tensor,
     *,
     num_tokens: int,
@@ -239,7 +245,7 @@ def _build_group(
     recipe: Recipe,
     bucket: bool,
 ) -> AttentionGroup:
-    n = rows.numel()
+    n = rows.size
     max_q = int(query_lens[rows].max())
     num_rows = next_power_of_two(n) if bucket else n
     q_len = next_power_of_two(max_q) if bucket else max_q
@@ -247,61 +253,64 @@ def _build_group(
     # size would be one more compiled kernel each time
     q_len = -(-q_len // q_block) * q_block
     pad = num_rows - n
-    width = block_tables.shape[1]
+    width = tables.shape[1]
 
-    def padded(t: Tensor, fill: int) -> Tensor:
-        return torch.cat([t, t.new_full((pad, *t.shape[1:]), fill)]) if pad else t
+    def padded(a: np.ndarray) -> np.ndarray:  # padding rows: no tokens, null pages
+        return np.concatenate([a, np.zeros((pad, *a.shape[1:]), dtype=a.dtype)]) if pad else a
 
-    seq_len = padded(seq_lens[rows], 0)
-    q_count = padded(query_lens[rows], 0)
+    seq_len = padded(seq_lens[rows])
+    q_count = padded(query_lens[rows])
     q_start = seq_len - q_count
-    row_seq = padded(rows, 0)
-    table = padded(block_tables[rows].long(), 0)
+    row_seq = padded(rows)
+    table = padded(tables[rows])
 
-    q_offsets = torch.arange(q_len)
-    token_index = torch.where(
-        q_offsets[None, :] < q_count[:, None], padded(starts[rows], 0)[:, None] + q_offsets[None, :], num_tokens
-    )
+    q_offsets = np.arange(q_len)
+    token_index = np.where(q_offsets[None, :] < q_count[:, None], padded(starts[rows])[:, None] + q_offsets[None, :],
+                           num_tokens)
 
     # query blocks [B, M, 1] against pages [1, 1, J]
-    m = torch.arange(q_len // q_block)
+    m = np.arange(q_len // q_block)
     q_lo = (q_start[:, None] + m[None, :] * q_block)[:, :, None]
-    q_rows = (q_count[:, None] - m[None, :] * q_block).clamp(max=q_block)[:, :, None]
+    q_rows = np.minimum(q_count[:, None] - m[None, :] * q_block, q_block)[:, :, None]
     q_hi = q_lo + q_rows - 1
-    kv_lo = (torch.arange(width) * page_size)[None, None, :]
+    kv_lo = (np.arange(width) * page_size)[None, None, :]
     kv_hi = kv_lo + page_size - 1
-    b = row_seq[:, None, None]
-    may, every = recipe.block_rule(b, q_lo, q_hi, kv_lo, kv_hi)
+    shape = (num_rows, m.size, width)
+    may, every = (_as_bool(x, shape) for x in recipe.block_rule(
+        *(torch.from_numpy(np.ascontiguousarray(a)) for a in (row_seq[:, None, None], q_lo, q_hi, kv_lo, kv_hi))))
     may = may & (q_rows > 0) & (kv_lo < seq_len[:, None, None]) & (table != 0)[:, None, :]  # released pages
     every = every & may & (kv_hi < seq_len[:, None, None])
     partial, full, block_ids = _kernel_blocks(may, every, table, pages_per_block)
     # the kernel wants index rows as wide as its key-block count; entries past the counts are never read
     (kv_num_blocks, kv_indices), (full_kv_num_blocks, full_kv_indices) = _compact(
         partial, full, block_ids, num_pages // pages_per_block)
-    flat = token_index.flatten()
-    real = torch.nonzero(flat < num_tokens).flatten()
+    flat = token_index.ravel()
+    real = np.flatnonzero(flat < num_tokens)
     return AttentionGroup(
-        token_index=token_index,
-        gather_index=flat.clamp(max=num_tokens - 1),
-        scatter_rows=real,
-        scatter_tokens=flat[real],
+        token_index=torch.from_numpy(token_index),
+        gather_index=torch.from_numpy(np.minimum(flat, num_tokens - 1)),
+        scatter_rows=torch.from_numpy(real),
+        scatter_tokens=torch.from_numpy(flat[real]),
         q_block=q_block,
-        kv_num_blocks=kv_num_blocks,
-        kv_indices=kv_indices,
-        full_kv_num_blocks=full_kv_num_blocks,
-        full_kv_indices=full_kv_indices,
-        row_seq=row_seq.int(),
-        block_table=table.int(),
-        q_start=q_start.int(),
-        seq_len=seq_len.int(),
+        kv_num_blocks=torch.from_numpy(kv_num_blocks),
+        kv_indices=torch.from_numpy(kv_indices),
+        full_kv_num_blocks=torch.from_numpy(full_kv_num_blocks),
+        full_kv_indices=torch.from_numpy(full_kv_indices),
+        row_seq=torch.from_numpy(row_seq.astype(np.int32)),
+        block_table=torch.from_numpy(table.astype(np.int32)),
+        q_start=torch.from_numpy(q_start.astype(np.int32)),
+        seq_len=torch.from_numpy(seq_len.astype(np.int32)),
         page_to_logical=page_to_logical,
     )
 
 
-_NO_BLOCK = torch.iinfo(torch.int64).max  # sorts after every real block id
+def _as_bool(verdict: Tensor | bool, shape: tuple[int, ...]) -> np.ndarray:
+    return np.broadcast_to(torch.as_tensor(verdict, dtype=torch.bool).numpy(), shape)
 
 
-def _kernel_blocks(may: Tensor, every: Tensor, table: Tensor, pages_per_block: int) -> tuple[Tensor, Tensor, Tensor]:
+def _kernel_blocks(
+    may: np.ndarray, every: np.ndarray, table: np.ndarray, pages_per_block: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Page verdicts ``[B, M, J]`` -> kernel-block verdicts: partial ``[B, M, J]``, full ``[B, M, J]``, ids ``[B, J]``.
 
     Kernel block ``r`` covers pages ``r*R .. r*R+R-1``. A row lists it if any of its pages
@@ -313,37 +322,51 @@ def _kernel_blocks(may: Tensor, every: Tensor, table: Tensor, pages_per_block: i
     """
     if pages_per_block == 1:
         return may & ~every, every, table
-    block_of_page = torch.where(may.any(1), table // pages_per_block, _NO_BLOCK)  # [B, J]
-    sorted_blocks, order = torch.sort(block_of_page, dim=-1)
-    new_segment = torch.ones_like(sorted_blocks, dtype=torch.bool)
+    num_rows, num_q, width = may.shape
+    row = np.arange(num_rows)[:, None]
+    block_of_page = np.where(may.any(1), table // pages_per_block, _NO_BLOCK)  # [B, J]
+    order = np.argsort(block_of_page, axis=-1, kind="stable")
+    sorted_blocks = block_of_page[row, order]
+    new_segment = np.ones_like(sorted_blocks, dtype=bool)
     new_segment[:, 1:] = sorted_blocks[:, 1:] != sorted_blocks[:, :-1]
-    segment = (torch.cumsum(new_segment, -1) - 1)  # [B, J] segment index of each sorted page
-    order_m = order[:, None, :].expand_as(may)
-    seg_m = segment[:, None, :].expand_as(may)
-    any_may = torch.zeros_like(may).scatter_reduce_(-1, seg_m, torch.gather(may, -1, order_m), "amax")
-    num_every = torch.zeros(may.shape, dtype=torch.int32).scatter_add_(
-        -1, seg_m, torch.gather(every, -1, order_m).int())
-    block_ids = torch.full_like(sorted_blocks, _NO_BLOCK).scatter_(-1, segment, sorted_blocks)
+    segment = np.cumsum(new_segment, -1) - 1  # [B, J] segment index of each sorted page
+    # per (row, query block, segment): any page may be visible / number of wholly visible pages
+    flat_seg = (np.arange(num_rows * num_q)[:, None] * width
+                + np.repeat(segment, num_q, axis=0)).ravel()  # [B*M*J] into a [B, M, J] table
+    sort = (row[:, :, None], np.arange(num_q)[None, :, None], order[:, None, :])  # [B, M, J] in sorted order
+    any_may = np.zeros(num_rows * num_q * width, dtype=bool)
+    any_may[flat_seg[may[sort].ravel()]] = True
+    num_every = np.bincount(flat_seg, weights=every[sort].ravel(),
+                            minlength=num_rows * num_q * width).reshape(num_rows, num_q, width)
+    block_ids = np.full_like(sorted_blocks, _NO_BLOCK)
+    block_ids[row, segment] = sorted_blocks
     real = (block_ids != _NO_BLOCK)[:, None, :]
     full = real & (num_every == pages_per_block)
-    return real & any_may & ~full, full, block_ids.masked_fill(~real[:, 0], 0)
+    partial = real & any_may.reshape(num_rows, num_q, width) & ~full
+    return partial, full, np.where(real[:, 0], block_ids, 0)
 
 
-def _compact(partial: Tensor, full: Tensor, ids: Tensor, width_out: int) -> tuple[tuple[Tensor, Tensor], ...]:
+_NO_BLOCK = np.iinfo(np.int64).max  # sorts after every real block id
+
+
+def _compact(
+    partial: np.ndarray, full: np.ndarray, ids: np.ndarray, width_out: int
+) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
     """Partial and full key blocks, each listed first: ``[B, M, J]`` bools + ids ``[B, J]`` ->
-    (counts ``[B,1,M]``, ids ``[B,1,M,width_out]``) for each. One sort serves both lists."""
-    key = torch.where(partial, 0, torch.where(full, 1, 2)).to(torch.int8)
-    order = torch.sort(key, dim=-1, stable=True).indices
-    ordered = torch.gather(ids[:, None, :].expand_as(order), -1, order).to(torch.int32)
-    num_partial = partial.sum(-1, dtype=torch.int32)
-    num_full = full.sum(-1, dtype=torch.int32)
+    (counts ``[B,1,M]`` int32, ids ``[B,1,M,width_out]`` int32) for each. One sort serves both lists."""
+    key = np.where(partial, 0, np.where(full, 1, 2)).astype(np.int8)
+    order = np.argsort(key, axis=-1, kind="stable")
+    row, query_block = np.arange(key.shape[0])[:, None, None], np.arange(key.shape[1])[None, :, None]
+    ordered = ids[row, order]
+    num_partial = partial.sum(-1, dtype=np.int32)
+    num_full = full.sum(-1, dtype=np.int32)
     width = min(ordered.shape[-1], width_out)  # listed blocks are distinct, so at most width_out of them
-    full_start = torch.arange(width)[None, None, :] + num_partial[..., None].long()
-    full_ordered = torch.gather(ordered, -1, full_start.clamp(max=ordered.shape[-1] - 1))
+    full_start = np.minimum(np.arange(width)[None, None, :] + num_partial[..., None], ordered.shape[-1] - 1)
+    full_ordered = ordered[row, query_block, full_start]
     lists = []
     for counts, listed in ((num_partial, ordered[..., :width]), (num_full, full_ordered)):
         # only the first ``counts`` entries are ever read; zeros (not garbage) keep eager mode and repr safe
-        out = torch.zeros(*ordered.shape[:2], width_out, dtype=torch.int32)
+        out = np.zeros((*ordered.shape[:2], width_out), dtype=np.int32)
         out[..., :width] = listed
         lists.append((counts[:, None], out[:, None]))
     return tuple(lists)
