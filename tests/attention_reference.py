@@ -76,10 +76,7 @@ def make_block_tables(
     ``j`` goes to offset ``j % run_length`` of an aligned run of ``run_length`` pages
     picked at random, so some kernel blocks are wholly owned by one row and others (a
     shared prefix ending inside a run, a run left partly empty) are not."""
-    if run_length > 1:
-        return _aligned_run_tables(spec, page_size=page_size, num_pages=num_pages, width=width,
-                                   generator=generator, run_length=run_length)
-    order = (torch.randperm(num_pages - 1, generator=generator) + 1).tolist()
+    pick = _run_pages(num_pages, run_length, generator) if run_length > 1 else _shuffled_pages(num_pages, generator)
     tables = torch.zeros(spec.num_seqs, width, dtype=torch.int32)
     contexts = spec.context_lens()
     shared = {b: (a, n) for a, b, n in spec.shared_prefix}
@@ -96,30 +93,29 @@ def make_block_tables(
             tables[row, :n] = tables[a, :n]
             first = n
         for logical in range(first, need):
-            tables[row, logical] = order.pop()
+            tables[row, logical] = pick(logical, logical == first)
     return tables
 
 
-def _aligned_run_tables(
-    spec: BatchSpec, *, page_size: int, num_pages: int, width: int, generator: torch.Generator, run_length: int
-) -> Tensor:
+def _shuffled_pages(num_pages: int, generator: torch.Generator):
+    """Distinct pages from a random permutation of ``1..num_pages-1``."""
+    order = (torch.randperm(num_pages - 1, generator=generator) + 1).tolist()
+    return lambda logical, row_start: order.pop()
+
+
+def _run_pages(num_pages: int, run_length: int, generator: torch.Generator):
+    """Logical page ``j`` at offset ``j % run_length`` of a random aligned run, a fresh run
+    at each row start and run boundary."""
     assert num_pages % run_length == 0, "the pool must hold whole runs"
     runs = (torch.randperm(num_pages // run_length - 1, generator=generator) + 1).tolist()  # run 0 holds page 0
-    tables = torch.zeros(spec.num_seqs, width, dtype=torch.int32)
-    shared = {b: (a, n) for a, b, n in spec.shared_prefix}
-    for row, seq_len in enumerate(spec.seq_lens):
-        need = pages_needed(seq_len, page_size)
-        assert need <= width, f"{spec.name}: row {row} needs {need} pages, table width {width}"
-        first = 0
-        if row in shared:
-            a, first = shared[row]
-            tables[row, :first] = tables[a, :first]
-        run = None
-        for logical in range(first, need):
-            if run is None or logical % run_length == 0:
-                run = runs.pop()
-            tables[row, logical] = run * run_length + logical % run_length
-    return tables
+    current = [0]
+
+    def pick(logical: int, row_start: bool) -> int:
+        if row_start or logical % run_length == 0:
+            current[0] = runs.pop()
+        return current[0] * run_length + logical % run_length
+
+    return pick
 
 
 def expected_positions_and_slots(spec: BatchSpec, block_tables: Tensor, page_size: int) -> tuple[Tensor, Tensor]:

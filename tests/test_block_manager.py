@@ -664,15 +664,8 @@ class HybridRunsMachine(BlockManagerMachine):
 
 
 _machine_settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
-TestBlockManagerMachine = BlockManagerMachine.TestCase
-TestBlockManagerMachine.settings = _machine_settings
-TestNoPrefixCacheMachine = NoPrefixCacheMachine.TestCase
-TestNoPrefixCacheMachine.settings = _machine_settings
-TestRunsMachine = RunsMachine.TestCase
-TestRunsMachine.settings = _machine_settings
-TestSlidingMachine = SlidingMachine.TestCase
-TestSlidingMachine.settings = _machine_settings
-TestHybridMachine = HybridMachine.TestCase
-TestHybridMachine.settings = _machine_settings
-TestHybridRunsMachine = HybridRunsMachine.TestCase
-TestHybridRunsMachine.settings = _machine_settings
+for _machine in (BlockManagerMachine, NoPrefixCacheMachine, RunsMachine, SlidingMachine, HybridMachine,
+                 HybridRunsMachine):
+    _case = _machine.TestCase
+    _case.settings = _machine_settings
+    globals()[f"Test{_machine.__name__}"] = _case  # collected by pytest as TestBlockManagerMachine, ...
