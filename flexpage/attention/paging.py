@@ -6,14 +6,16 @@ by query length -- decode rows (one new token) and prefill rows (a chunk of new 
 with or without cached context) -- because the CPU kernel walks a whole query block per
 key block: one decode row padded into a 64-row query block would do 64x the work.
 
-For each group it builds a ``BlockMask`` directly from the block tables with tensor
-operations (no ``create_block_mask``): key blocks are physical pages; a page that the
-recipe's :class:`~flexpage.attention.recipe.BlockRule` says is wholly visible goes to the
-*full* list (the kernel skips the mask there); pages at the causal frontier, the window
-edge or the sequence end go to the *partial* list, where the paged ``mask_mod`` runs.
+For each group it builds the ``BlockMask`` index lists directly from the block tables with
+array operations (no ``create_block_mask``; numpy on the host, handed over as tensors).
+The recipe's :class:`~flexpage.attention.recipe.BlockRule` classifies every (query block,
+page) as invisible, wholly visible or partly visible. A kernel key block is
+``pages_per_block`` aligned pages: it goes to the *full* list (the kernel skips the mask)
+when the row owns all its pages and each is wholly visible, to the *partial* list (the
+paged ``mask_mod`` runs, with its ownership check) when any page may be visible.
 
-Physical slots become logical positions through ``page_to_logical[row, page]``, so a
-recipe sees only ``(b, h, q_pos, kv_pos)`` in sequence coordinates.
+Physical slots become logical positions through ``page_to_logical[page]``, so a recipe
+sees only ``(b, h, q_pos, kv_pos)`` in sequence coordinates.
 
 Picture of one prefill row (page size 4, 6 cached tokens, 5 new tokens)::
 
@@ -51,10 +53,10 @@ class AttentionGroup:
     scatter_rows: Tensor  # [n] int64: which padded rows are real
     scatter_tokens: Tensor  # [n] int64: the flat token each real row's output belongs to
     q_block: int
-    kv_num_blocks: Tensor  # [B, 1, M] int32, partial pages per query block
-    kv_indices: Tensor  # [B, 1, M, J] int32, physical page ids, partial first
+    kv_num_blocks: Tensor  # [B, 1, M] int32, partial key blocks per query block
+    kv_indices: Tensor  # [B, 1, M, K] int32, key block ids (K = pool pages / pages_per_block), listed first
     full_kv_num_blocks: Tensor  # [B, 1, M] int32
-    full_kv_indices: Tensor  # [B, 1, M, J] int32
+    full_kv_indices: Tensor  # [B, 1, M, K] int32
     row_seq: Tensor  # [B] int32, batch index of each row's sequence (what a recipe calls b)
     block_table: Tensor  # [B, J] int32, each row's block table
     q_start: Tensor  # [B] int32, logical position of each row's first query token
@@ -119,9 +121,9 @@ def build_paged_batch(
                                                        recipe)
     # the plan is index arithmetic on small host arrays: numpy's per-op cost is a few times
     # lower than torch's, and the results are handed over as tensors without copies
-    tables = block_tables.numpy().astype(np.int64)
-    seq_lens_n = seq_lens.numpy().astype(np.int64)
-    query_lens_n = query_lens.numpy().astype(np.int64)
+    tables = block_tables.cpu().numpy().astype(np.int64)
+    seq_lens_n = seq_lens.cpu().numpy().astype(np.int64)
+    query_lens_n = query_lens.cpu().numpy().astype(np.int64)
     starts = np.cumsum(query_lens_n) - query_lens_n
     num_tokens = int(query_lens_n.sum())
     positions, slots = _positions_and_slots(tables, seq_lens_n, query_lens_n, starts, num_tokens, page_size)
