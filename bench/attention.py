@@ -475,7 +475,7 @@ def run_block_masks(args) -> dict:
     for seqs in (64, 8):
         gen = torch.Generator().manual_seed(5)
         lens = torch.full((seqs,), 2048)
-        table32, lens32, ones = None, lens.int(), torch.ones(seqs, dtype=torch.int32)
+        lens32, ones = lens.int(), torch.ones(seqs, dtype=torch.int32)
         fns: dict[str, Callable[[], Any]] = {}
         # the pool exactly as large as the live pages, and a server-sized pool (the index rows are as wide as it)
         for label, pool_pages in (("live-sized pool", None), ("16k-page pool", FLEX_POOL_TOKENS // page + 1)):
@@ -540,7 +540,7 @@ def compile_probe(which: str) -> dict:
     case = DecodeCase("B8 1k-4k", 8, 1024, 4096, 8, 8, 64, "float32", False, 1)
     gen = torch.Generator().manual_seed(1)
     lens = make_lengths(gen, case.batch, case.lo, case.hi)
-    k = torch.randn(case.batch, case.kv_heads, int(lens.max()), case.head_dim, generator=gen)
+    torch.randn(case.batch, case.kv_heads, int(lens.max()), case.head_dim, generator=gen)  # K: keeps q as in the main run
     q = torch.randn(case.batch, case.heads, case.head_dim, generator=gen)
     if which == "flexpage":
         from flexpage.attention.flex import FlexRunner
@@ -668,7 +668,7 @@ def other_tables(results: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
         for key in ("decode_64x2k", "decode_8x2k"):
             if key in bm:
                 for name, t in bm[key].items():
-                    body.append([key.replace("decode_", "decode ") + f" (page 16)", name, fmt(t["median_ms"], 3),
+                    body.append([key.replace("decode_", "decode ") + " (page 16)", name, fmt(t["median_ms"], 3),
                                  fmt(t["min_ms"], 3)])
         body.append(["decode 8x2k (page 16)", "create_block_mask (first call in a fresh process)",
                      fmt(bm.get("create_block_mask_decode_8x2k_one_call_ms"), 1), "-"])

@@ -15,7 +15,6 @@ with eager attention.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine_models import EOS_ID, VOCAB_SIZE, hf_greedy, hf_logprobs, load_reference, random_prompts
 from flexpage import SamplingParams

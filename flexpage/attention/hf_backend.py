@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from flexpage.attention.contiguous import ContiguousMask, RowLayout, build_contiguous_mask, contiguous_attention
-from flexpage.attention.recipe import CAUSAL, Recipe, compose, window_rule
+from flexpage.attention.recipe import CAUSAL, Recipe, compose
 
 IMPLEMENTATION_NAME = "flexpage"
 
