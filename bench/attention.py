@@ -61,8 +61,8 @@ TOL = {"float32": 1e-4, "bfloat16": 3e-2}
 # flexpage layouts: label -> (page size, pages per kernel key block). "p16" is what the engine runs: 16-token
 # pages handed out by flexpage's BlockPool in aligned runs of 8 (rows growing in turn, page by page, as in
 # decode), read as 128-token key blocks; "p16k256": the same with runs of 16 (256-token key blocks).
-# "p16k16"/"p64": key block = page, pages scattered at random.
-FLEX_LAYOUTS = {"p16": (16, 8), "p16k256": (16, 16), "p16k16": (16, 1), "p64": (64, 1)}
+# "p16k16": key block = page, pages scattered at random (session 1's layout).
+FLEX_LAYOUTS = {"p16": (16, 8), "p16k256": (16, 16), "p16k16": (16, 1)}
 
 
 # --------------------------------------------------------------------------- timing

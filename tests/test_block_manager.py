@@ -335,6 +335,9 @@ def test_null_block_never_handed_out() -> None:
         (dict(num_blocks=8, block_size=0), "block_size"),
         (dict(num_blocks=8, block_size=4, num_host_blocks=-1), "num_host_blocks"),
         (dict(num_blocks=8.0, block_size=4), "num_blocks"),
+        (dict(num_blocks=8, block_size=4, run_length=0), "run_length"),
+        (dict(num_blocks=8, block_size=4, group_windows=(None, 0)), "group_windows"),
+        (dict(num_blocks=8, block_size=4, group_windows=()), "group_windows"),
     ],
 )
 def test_bad_config_names_the_argument(kwargs: dict, name: str) -> None:
