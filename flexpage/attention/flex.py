@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from flexpage.attention import _inductor_fix
+from flexpage.attention import _cpu_template_tuning, _inductor_fix
 from flexpage.attention.errors import check_arg
 from flexpage.attention.paging import AttentionGroup, PagedBatch
 from flexpage.attention.recipe import Recipe
@@ -100,11 +100,14 @@ def _group_attention(
         seq_lengths=(q.shape[2], k_pool.shape[2]),
         compute_q_blocks=False,
     )
+    # the tuned CPU template (see _cpu_template_tuning) is keyed by this option
+    options = {_cpu_template_tuning.TUNED_OPTION: True, **(kernel_options or {})}
     return flex_attention(q, k_pool, v_pool, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                          kernel_options=kernel_options)
+                          kernel_options=options)
 
 
 _inductor_fix.apply()
+_cpu_template_tuning.apply()
 
 def compile_limits() -> object:
     """Dynamo limits for the shared paged-attention code object, as a context manager.
