@@ -77,8 +77,12 @@ SPECS = [PREFILL_ONLY, CHUNKED_PREFILL, DECODE_ONLY, MIXED]
 FP32_GQA_D64 = Geometry("fp32-gqa8/2-d64", torch.float32, 8, 2, 64, 1e-5)
 FP32_MQA_D128 = Geometry("fp32-mqa4/1-d128", torch.float32, 4, 1, 128, 1e-5)
 BF16_GQA_D256 = Geometry("bf16-gqa4/2-d256", torch.bfloat16, 4, 2, 256, 2e-2)
+# SmolLM2's shape: 3 query heads per kv head, so the tuned bf16 template's row-blocked
+# micro-gemms run with 3-row blocks in decode and a row tail in prefill (96-row blocks)
+BF16_GQA_D64 = Geometry("bf16-gqa9/3-d64", torch.bfloat16, 9, 3, 64, 2e-2)
 
-CASES = [(FP32_GQA_D64, spec) for spec in SPECS] + [(g, MIXED) for g in (FP32_MQA_D128, BF16_GQA_D256)]
+CASES = [(FP32_GQA_D64, spec) for spec in SPECS] + [
+    (g, MIXED) for g in (FP32_MQA_D128, BF16_GQA_D256, BF16_GQA_D64)]
 
 
 def causal_case(spec: BatchSpec, geometry: Geometry, *, seed: int = 0) -> PagedCase:
@@ -151,6 +155,31 @@ def test_eager_paged_attention_matches_reference(geometry: Geometry, spec: Batch
     step = causal_case(spec, geometry)
     err = rel_err(step.run(compile=False), step.reference())
     assert err < geometry.tol, f"{geometry} {spec}: relative error {err:.2e}"
+
+
+def test_tuned_cpu_template_is_used_only_for_flexpage_bf16_kernels(monkeypatch: pytest.MonkeyPatch):
+    """flexpage's bf16 kernels get the tuned template (P@V through the micro-gemm, rows
+    blocked); the same flex_attention compiled without flexpage's kernel option stays stock."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from flexpage.attention import flex
+
+    def fresh_code_object(*args):  # Dynamo caches per code object: compile anew, whatever ran before
+        return flex._group_attention(*args)
+
+    monkeypatch.setattr(flex, "_compiled_group_attention", torch.compile(fresh_code_object, fullgraph=True))
+    step = causal_case(DECODE_ONLY, BF16_GQA_D64)
+    with inductor_config.patch(force_disable_caches=True):
+        _, (flexpage_code, *_) = run_and_get_code(step.run, compile=True)
+        q = torch.randn(1, 2, 32, 64, dtype=torch.bfloat16)
+        stock = torch.compile(flex_attention, dynamic=False)
+        _, (stock_code, *_) = run_and_get_code(stock, q, q, q)
+    assert "flexpage: P@V through the micro-gemm" in flexpage_code
+    assert "transpose_b_kernel<3, 16" in flexpage_code  # the 3 packed query heads in one register block
+    assert "flexpage" not in stock_code
+    assert "transpose_b_kernel<3, 16" not in stock_code
 
 
 # ---- kernel key blocks of several pages -------------------------------------------------------
