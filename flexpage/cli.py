@@ -30,7 +30,7 @@ def generate(
     n: int = typer.Option(1, help="Samples per prompt."),
     chat: bool = typer.Option(False, help="Wrap each prompt as a user message with the chat template."),
     dtype: str = typer.Option("auto", help="auto | bfloat16 | float32."),
-    block_size: int = typer.Option(16),
+    block_size: int = typer.Option(8, help="Tokens per KV block."),
     attention_block_size: int = typer.Option(128, help="Tokens per attention key block (blocks come in runs of it)."),
     num_blocks: Optional[int] = typer.Option(None),
     kv_cache_memory: str = typer.Option("1GiB"),
@@ -101,7 +101,7 @@ def serve(
                                                                "name."),
     max_model_len: Optional[int] = typer.Option(None, help="Longest prompt + completion in tokens; default from the "
                                                            "model (at most 8192)."),
-    block_size: int = typer.Option(16, help="Tokens per KV block."),
+    block_size: int = typer.Option(8, help="Tokens per KV block."),
     attention_block_size: int = typer.Option(128, help="Tokens per attention key block: KV blocks are handed out "
                                                        "in aligned runs this long, read as one key block."),
     kv_cache_memory: Optional[str] = typer.Option(None, help="KV pool size, e.g. 512MiB, 2GiB [default: 1GiB]."),

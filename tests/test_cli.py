@@ -109,3 +109,20 @@ def test_bad_engine_options_exit_with_a_message(option, message, tiny):
     assert result.exit_code != 0
     assert isinstance(result.exception, SystemExit), f"uncaught {result.exception!r}"
     assert message in result.output
+
+
+def test_cli_and_server_defaults_match_the_engine_config():
+    """The CLI repeats the engine's block-size defaults as literals (``--help`` stays import-free)."""
+    import typer.main
+
+    from flexpage.config import EngineConfig
+    from flexpage.server.main import ServeSettings
+
+    engine = EngineConfig()
+    for command in ("generate", "serve"):
+        click_command = typer.main.get_command(app).commands[command]
+        defaults = {p.name: p.default for p in click_command.params}
+        assert defaults["block_size"] == engine.block_size, command
+        assert defaults["attention_block_size"] == engine.attention_block_size, command
+    assert (ServeSettings().block_size, ServeSettings().attention_block_size) == (
+        engine.block_size, engine.attention_block_size)

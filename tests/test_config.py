@@ -11,7 +11,8 @@ from flexpage.config import EngineConfig, parse_size
     ("kwargs", "message"),
     [
         ({"block_size": 0}, r"block_size: got 0, expected a positive int"),
-        ({"attention_block_size": 24}, r"attention_block_size: got 24, expected a multiple of block_size=16"),
+        ({"block_size": 16, "attention_block_size": 24},
+         r"attention_block_size: got 24, expected a multiple of block_size=16"),
         ({"max_num_seqs": True}, r"max_num_seqs: got True"),
         ({"num_blocks": 1}, r"num_blocks: got 1, expected an int >= 2"),
         ({"kv_cache_memory": "lots"}, r"kv_cache_memory: got 'lots'"),

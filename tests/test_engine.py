@@ -296,7 +296,7 @@ def test_greedy_matches_hf_with_at_most_two_sequences_per_step(tiny_model, llm_f
 
 def test_a_lone_request_that_outgrows_the_pool_finishes_with_length(tiny_model, llm_factory):
     """The pool holds 3 blocks of 16: a 40-token prompt can grow to 48 tokens and no further."""
-    llm = llm_factory(tiny_model("llama"), num_blocks=4)
+    llm = llm_factory(tiny_model("llama"), num_blocks=4, block_size=16)
     [out] = llm.generate({"prompt_token_ids": random_prompts((40,))[0]},
                          SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     assert out.outputs[0].finish_reason == "length"
@@ -311,7 +311,7 @@ SYSTEM_LEN, SUFFIX_LEN, NUM_REQUESTS = 512, 8, 16
 @pytest.fixture
 def prefix_llm(tiny_model, llm_factory):
     """Llama with room for 4 copies of the system prompt; the prefix cache starts empty."""
-    llm = llm_factory(tiny_model("llama"), num_blocks=160)
+    llm = llm_factory(tiny_model("llama"), num_blocks=160, block_size=16)
     llm.engine.block_manager.reset_prefix_cache()
     return llm
 
@@ -485,4 +485,4 @@ def test_stats_count_tokens_and_requests(tiny_model, llm_factory):
     assert after["generation_tokens"] - before["generation_tokens"] == sum(len(t) for t in tokens_of(llm_outputs))
     assert after["finished_requests"] - before["finished_requests"] == len(PROMPTS)
     assert after["num_requests_running"] == after["num_requests_waiting"] == after["kv_blocks_used"] == 0
-    assert after["kv_blocks_total"] == 63 and after["kv_capacity_tokens"] == 63 * 16
+    assert after["kv_blocks_total"] == 63 and after["kv_capacity_tokens"] == 63 * engine.config.block_size

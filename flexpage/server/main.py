@@ -30,7 +30,7 @@ class ServeSettings:
     api_key: str | None = None
     served_model_name: str | None = None
     max_model_len: int | None = None
-    block_size: int = 16
+    block_size: int = 8
     attention_block_size: int = 128
     kv_cache_memory: str = "1GiB"
     num_blocks: int | None = None
