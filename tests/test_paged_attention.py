@@ -149,6 +149,17 @@ def test_compiled_paged_attention_matches_reference(geometry: Geometry, spec: Ba
     assert err < geometry.tol, f"{geometry} {spec}: relative error {err:.2e}"
 
 
+def test_a_batch_already_in_kernel_row_order_skips_the_gather_and_still_matches():
+    """Four decode rows (a power of two: no padding rows) are the kernel's rows as they come."""
+    spec = BatchSpec("decode_in_order", seq_lens=(1, 16, 17, 33), query_lens=(1, 1, 1, 1), shared_prefix=((2, 3, 1),))
+    step = causal_case(spec, FP32_GQA_D64)
+    [group] = step.batch.groups
+    assert group.covers_batch_in_order
+    assert not causal_case(DECODE_ONLY, FP32_GQA_D64).batch.groups[0].covers_batch_in_order  # 6 rows pad to 8
+    err = rel_err(step.run(compile=True), step.reference())
+    assert err < FP32_GQA_D64.tol, f"relative error {err:.2e}"
+
+
 @pytest.mark.parametrize(("geometry", "spec"), CASES, ids=lambda x: str(x))
 def test_eager_paged_attention_matches_reference(geometry: Geometry, spec: BatchSpec):
     """``FlexRunner(compile=False)`` runs the same program unfused; eager mode visits every slot."""

@@ -160,21 +160,25 @@ class FlexRunner:
         check_arg(k_pool.shape[2] == batch.num_pages * batch.page_size, "k_pool slots", k_pool.shape[2],
                   f"{batch.num_pages} pages x {batch.page_size}")
         fn = _compiled_group_attention if self.compile else _group_attention
-        out = q.new_empty(q.shape)
         with compile_limits():
+            if len(batch.groups) == 1 and batch.groups[0].covers_batch_in_order:  # e.g. an all-decode step
+                return self._run_group(fn, q, k_pool, v_pool, batch, batch.groups[0])
+            out = q.new_empty(q.shape)
             for group in batch.groups:
-                self._run_group(fn, q, k_pool, v_pool, batch, group, out)
+                o = self._run_group(fn, q, k_pool, v_pool, batch, group)
+                _scatter_rows(out, o, group)
         return out
 
     def _run_group(self, fn, q: Tensor, k_pool: Tensor, v_pool: Tensor, batch: PagedBatch,  # noqa: ANN001
-                   group: AttentionGroup, out: Tensor) -> None:
+                   group: AttentionGroup) -> Tensor:
+        """One kernel call for ``group``; returns its output ``[rows * q_len, H, D]`` in padded row order."""
         rows, q_len, heads, dim = group.rows, group.q_len, q.shape[1], q.shape[2]
         kv_heads = k_pool.shape[1]
         g = heads // kv_heads
         # pack each kv head's query heads into query rows: [B, L, H_kv, G, D] -> [B, H_kv, L*G, D],
         # so the kernel loads every key block once per kv head rather than once per query head
-        q_group = q.index_select(0, group.gather_index).view(rows, q_len, kv_heads, g, dim)
-        q_group = q_group.permute(0, 2, 1, 3, 4).reshape(rows, kv_heads, q_len * g, dim)
+        q_rows = q if group.covers_batch_in_order else q.index_select(0, group.gather_index)
+        q_group = q_rows.reshape(rows, q_len, kv_heads, g, dim).permute(0, 2, 1, 3, 4).reshape(rows, kv_heads, q_len * g, dim)
         if self.compile:
             _mark_dynamic_rows(q_group, group)
         o = fn(
@@ -183,10 +187,8 @@ class FlexRunner:
             group.seq_len, group.page_to_logical, self.recipe, batch.page_size, batch.pages_per_block,
             group.q_block, g, self.scale, self.kernel_options,
         )
-        o = o.view(rows, kv_heads, q_len, g, dim).permute(0, 2, 1, 3, 4).reshape(rows, q_len, heads, dim)
-        _scatter_rows(out, o, group)
+        return o.view(rows, kv_heads, q_len, g, dim).permute(0, 2, 1, 3, 4).reshape(rows * q_len, heads, dim)
 
 
 def _scatter_rows(out: Tensor, o: Tensor, group: AttentionGroup) -> None:
-    rows = o.reshape(-1, *o.shape[2:]).index_select(0, group.scatter_rows)
-    out.index_copy_(0, group.scatter_tokens, rows)
+    out.index_copy_(0, group.scatter_tokens, o.index_select(0, group.scatter_rows))

@@ -62,6 +62,9 @@ class AttentionGroup:
     q_start: Tensor  # [B] int32, logical position of each row's first query token
     seq_len: Tensor  # [B] int32, tokens in the pool for the row's sequence after this step
     page_to_logical: Tensor  # [num_pages] int32, logical page index of each physical page in use
+    #: the padded rows are exactly the batch's tokens in flat order (no padding, no other group):
+    #: the queries need no gather and the output no scatter
+    covers_batch_in_order: bool = False
 
     @property
     def rows(self) -> int:
@@ -303,6 +306,7 @@ def _build_group(
         q_start=torch.from_numpy(q_start.astype(np.int32)),
         seq_len=torch.from_numpy(seq_len.astype(np.int32)),
         page_to_logical=page_to_logical,
+        covers_batch_in_order=flat.size == num_tokens and bool((flat == np.arange(num_tokens)).all()),
     )
 
 
