@@ -16,10 +16,11 @@ Together 1.5-3x faster bf16 decode calls (``bench/attention.py``,
 docs/attention-benchmark.md), identical numerics up to float summation order. float32
 kernels keep the stock template (brgemm is a fast sgemm there; both changes measured slower).
 
-Only kernels compiled with ``kernel_options={TUNED_OPTION: True}`` get the tuned template
-(flexpage always passes it); everything else in the process, including PyTorch's
+Only kernels compiled with ``kernel_options={TUNED_OPTION: TUNING_VERSION}`` get the tuned
+template (flexpage always passes it); everything else in the process, including PyTorch's
 experimental ``PagedAttention`` our benchmark compares against, stays stock. The option is
-part of the compiled graph, so Inductor's cache keys tuned and stock kernels apart.
+part of the compiled graph, so Inductor's cache keys tuned and stock kernels apart -- and
+kernels of an older tuning: bump ``TUNING_VERSION`` whenever the tuning changes.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 TUNED_OPTION = "FLEXPAGE_TUNED_CPU_TEMPLATE"
+TUNING_VERSION = 2  # 2: float32 kernels stay stock
 _MAX_BLOCK_M = 8
 _STOCK_PV_BRANCH = "          if (!std::is_same_v<scalar_t, at::Half>) {\n            at::native::cpublas::brgemm("
 _TUNED_PV_BRANCH = "          if (false) {  // flexpage: P@V through the micro-gemm\n            at::native::cpublas::brgemm("

@@ -101,7 +101,7 @@ def _group_attention(
         compute_q_blocks=False,
     )
     # the tuned CPU template (see _cpu_template_tuning) is keyed by this option
-    options = {_cpu_template_tuning.TUNED_OPTION: True, **(kernel_options or {})}
+    options = {_cpu_template_tuning.TUNED_OPTION: _cpu_template_tuning.TUNING_VERSION, **(kernel_options or {})}
     return flex_attention(q, k_pool, v_pool, score_mod=score_mod, block_mask=block_mask, scale=scale,
                           kernel_options=options)
 
