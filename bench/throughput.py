@@ -154,6 +154,32 @@ def shared_prefix(llm_on: LLM, llm_off: LLM, num: int = 16, system_len: int = 51
     return result
 
 
+def plot(results: dict, path: Path) -> None:
+    """Two panels: output tok/s per method on the workload; batch-64 decode against the matmul-only rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = [("flexpage", "flexpage"), ("hf_generate_batch", "HF\ngenerate_batch*"),
+               ("hf_static_batch8", "HF static\nbatches of 8"), ("flexpage_all_longest", "flexpage, same\nwork as *")]
+    methods = [(k, label) for k, label in methods if k in results]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.bar([label for _, label in methods], [results[k]["tokens_per_s"] for k, _ in methods],
+             color=["tab:blue", "tab:orange", "tab:gray", "tab:cyan"][: len(methods)])
+    left.set_ylabel("output tokens / s")
+    left.set_title(f"{results['workload']['num_prompts']} ShareGPT-like prompts, bf16")
+    decode, matmul = results["flexpage_decode_batch64"], results["matmul_only_batch64"]
+    right.bar(["flexpage step", "matmuls only"], [decode["tokens_per_s"], matmul["tokens_per_s"]],
+              color=["tab:blue", "tab:green"])
+    right.axhline(matmul["tokens_per_s"] / 2, color="k", linestyle="--", linewidth=1, label="50% target")
+    right.set_title(f"decode at batch 64: {decode['tokens_per_s'] / matmul['tokens_per_s']:.0%} of matmul-only")
+    right.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=32)
@@ -162,6 +188,7 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("bench/results/throughput.json"))
+    parser.add_argument("--plot", type=Path, default=Path("docs/img/throughput.png"))
     args = parser.parse_args()
     num = 8 if args.quick else args.num_prompts
     workload = sharegpt_like(num, args.seed)
@@ -207,6 +234,7 @@ def main() -> None:
     print("shared prefix", results["shared_system_prompt"], flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
+    plot(results, args.plot)
     print(json.dumps(results, indent=2))
 
 
