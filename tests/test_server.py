@@ -20,14 +20,15 @@ from typing import Any
 
 import httpx
 import pytest
-
 from server_fixtures import ServerProcess
+
+from flexpage.config import EngineConfig
 
 pytestmark = pytest.mark.slow
 
 API_KEY = "test-key-123"
 MODEL = "SmolLM2-135M-Instruct"
-BLOCK = 16
+BLOCK = EngineConfig().block_size  # the server runs with the engine's default block size
 MAX_MODEL_LEN = 1024
 MAX_TOKENS = 10
 
