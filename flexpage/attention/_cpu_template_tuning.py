@@ -36,7 +36,8 @@ _MAX_BLOCK_M = 8
 _STOCK_PV_BRANCH = "          if (!std::is_same_v<scalar_t, at::Half>) {\n            at::native::cpublas::brgemm("
 _TUNED_PV_BRANCH = "          if (false) {  // flexpage: P@V through the micro-gemm\n            at::native::cpublas::brgemm("
 
-_lowering_tuned: contextvars.ContextVar[bool] = contextvars.ContextVar("flexpage_tuned_cpu_template", default=False)
+# set while flex_attention is lowered, read when the lowering constructs its template
+_lowering_tuned: contextvars.ContextVar[bool] = contextvars.ContextVar("flexpage_tuned", default=False)
 
 
 def apply() -> None:
@@ -107,4 +108,5 @@ def apply() -> None:
 def _is_tuned(template: Any) -> bool:
     """float32 keeps the stock template: there ``cpublas::brgemm`` is a fast sgemm and row
     blocking does not pay (measured, docs/attention-benchmark.md)."""
-    return getattr(template, "flexpage_tuned", False) and template.input_nodes[0].get_dtype() in (torch.bfloat16, torch.float16)
+    reduced = template.input_nodes[0].get_dtype() in (torch.bfloat16, torch.float16)
+    return getattr(template, "flexpage_tuned", False) and reduced

@@ -178,7 +178,8 @@ class FlexRunner:
         # pack each kv head's query heads into query rows: [B, L, H_kv, G, D] -> [B, H_kv, L*G, D],
         # so the kernel loads every key block once per kv head rather than once per query head
         q_rows = q if group.covers_batch_in_order else q.index_select(0, group.gather_index)
-        q_group = q_rows.reshape(rows, q_len, kv_heads, g, dim).permute(0, 2, 1, 3, 4).reshape(rows, kv_heads, q_len * g, dim)
+        q_group = q_rows.reshape(rows, q_len, kv_heads, g, dim).permute(0, 2, 1, 3, 4)
+        q_group = q_group.reshape(rows, kv_heads, q_len * g, dim)
         if self.compile:
             _mark_dynamic_rows(q_group, group)
         o = fn(

@@ -23,7 +23,9 @@ every layer: one table, a pool of all layers, as before.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -183,12 +185,7 @@ class ModelRunner:
         if len(per_group) != len(self.layer_groups):
             raise ValueError(f"group_block_tables: {len(per_group)} groups, the model has {len(self.layer_groups)}")
         width = next_power_of_two(max(len(t) for g in per_group for t in g))
-        group_tables = []
-        for block_tables in per_group:
-            tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
-            for row, table in enumerate(block_tables):
-                tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-            group_tables.append(tables)
+        group_tables = [_padded_tables(block_tables, width) for block_tables in per_group]
         multi = len(self.layer_groups) > 1
         step = PagedStep(
             pool=self.pool,
@@ -239,8 +236,21 @@ def layer_groups_of(config: object) -> tuple[LayerGroup, ...]:
     return plan_layer_groups(layer_windows(text_config))
 
 
+def _padded_tables(block_tables: list[list[int]], width: int) -> Tensor:
+    """Block tables as one ``[rows, width]`` int32 tensor, padded with the null block 0."""
+    lengths = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=len(block_tables))
+    tables = np.zeros((len(block_tables), width), dtype=np.int32)
+    tables[np.arange(width) < lengths[:, None]] = np.fromiter(chain.from_iterable(block_tables), dtype=np.int32,
+                                                              count=int(lengths.sum()))
+    return torch.from_numpy(tables)
+
+
 def _positions(seq_lens: list[int], query_lens: list[int]) -> Tensor:
-    return torch.cat([torch.arange(s - q, s) for s, q in zip(seq_lens, query_lens)])
+    """Logical position of every new token, sequence after sequence."""
+    query = np.asarray(query_lens, dtype=np.int64)
+    first = np.asarray(seq_lens, dtype=np.int64) - query  # each sequence's first new position
+    token = np.arange(int(query.sum()))
+    return torch.from_numpy(np.repeat(first - (np.cumsum(query) - query), query) + token)
 
 
 def _route_bloom_attention(model: torch.nn.Module, runner: ModelRunner) -> None:
