@@ -100,8 +100,9 @@ def _group_attention(
         seq_lengths=(q.shape[2], k_pool.shape[2]),
         compute_q_blocks=False,
     )
-    # the tuned CPU template (see _cpu_template_tuning) is keyed by this option
-    options = {_cpu_template_tuning.TUNED_OPTION: _cpu_template_tuning.TUNING_VERSION, **(kernel_options or {})}
+    options = dict(kernel_options or {})
+    if q.device.type == "cpu":  # the tuned CPU template (see _cpu_template_tuning) is keyed by this option
+        options.setdefault(_cpu_template_tuning.TUNED_OPTION, _cpu_template_tuning.TUNING_VERSION)
     return flex_attention(q, k_pool, v_pool, score_mod=score_mod, block_mask=block_mask, scale=scale,
                           kernel_options=options)
 
