@@ -18,6 +18,10 @@ that ever touches the :class:`~flexpage.engine.LLMEngine`:
 
 The thread also refreshes :attr:`EngineLoop.stats` (a fresh dict from ``engine.stats()``)
 for ``/metrics`` and observes the latency histograms.
+
+:meth:`EngineLoop.build` loads the engine *in* that thread: torch keeps per-thread state
+(OpenMP teams, math-library buffers), and a model loaded in one thread and stepped in
+another ran small-batch decode steps 20-50% slower on this CPU (docs/serve-benchmark.md).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from flexpage.outputs import Logprob, RequestOutput
 
@@ -120,11 +124,47 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
         self._outbox: list[tuple[Sink, Any]] = []
+        self._started = threading.Event()
         self._thread = threading.Thread(target=self._run, name="flexpage-engine", daemon=True)
+
+    @classmethod
+    def build(cls, factory: Callable[[], Any], *, thread_init: Any = None, poll_s: float = 0.2,
+              **kwargs: Any) -> EngineLoop:
+        """Create the engine with ``factory()`` in the thread that will step it; return once it exists.
+
+        The thread then waits for :meth:`start` (or :meth:`stop`). An exception from
+        ``thread_init`` or ``factory`` is raised here, in the caller's thread.
+        """
+        built = threading.Event()
+        result: dict[str, Any] = {}
+
+        def build_then_serve() -> None:
+            try:
+                if thread_init is not None:
+                    thread_init()
+                loop = cls(factory(), **kwargs)
+            except BaseException as error:  # handed to the caller below
+                result["error"] = error
+                built.set()
+                return
+            loop._thread = threading.current_thread()
+            result["loop"] = loop
+            built.set()
+            loop._started.wait()
+            loop._run()
+
+        threading.Thread(target=build_then_serve, name="flexpage-engine", daemon=True).start()
+        while not built.wait(poll_s):  # short waits, so Ctrl-C still reaches the calling thread
+            pass
+        if "error" in result:
+            raise result["error"]
+        return result["loop"]
 
     # -- called from other threads --------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        self._started.set()
+        if self._thread.ident is None:  # built by the constructor, not by build()
+            self._thread.start()
 
     @property
     def alive(self) -> bool:
@@ -147,6 +187,7 @@ class EngineLoop:
     def stop(self, timeout: float = 10.0) -> None:
         """Abort what is left, end the thread and wait for it (bounded)."""
         self._commands.put(("stop",))
+        self._started.set()  # a built thread that was never started still has to see "stop"
         if self._thread.is_alive():
             self._thread.join(timeout)
 

@@ -75,21 +75,25 @@ def run_server(settings: ServeSettings) -> int:
         max_num_batched_tokens=settings.max_num_batched_tokens, enable_prefix_caching=settings.enable_prefix_caching,
         preemption_mode=settings.preemption_mode, compile=not settings.eager, seed=settings.seed,
     )
-    start = time.perf_counter()
-    try:
-        with console.status("loading the model"):
-            engine = LLMEngine(config)
-        load_s = time.perf_counter() - start
-        warm_s = 0.0
+    timings = {"load": 0.0, "warm-up": 0.0}
+
+    def build_engine() -> Any:  # runs in the engine thread (see EngineLoop.build)
+        start = time.perf_counter()
+        engine = LLMEngine(config)
+        timings["load"] = time.perf_counter() - start
         if settings.warmup:
-            with console.status("warming up (compiling attention kernels)" if engine.runner.compile
-                                else "warming up"):
-                warm_s = _warmup(engine)
+            timings["warm-up"] = _warmup(engine)
+        return engine
+
+    try:
+        with console.status("loading the model" + (" and compiling attention kernels" if settings.warmup else "")):
+            engine_loop = EngineLoop.build(build_engine, thread_init=_raise_recompile_limit)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted during start-up[/yellow]")
         return 130
+    engine = engine_loop.engine
+    load_s, warm_s = timings["load"], timings["warm-up"]
     served_name = settings.served_model_name or pathlib.Path(engine.model_path).name
-    engine_loop = EngineLoop(engine, thread_init=_raise_recompile_limit)
     metrics = ServerMetrics(lambda: engine_loop.stats)
     engine_loop.metrics = metrics
     state = ServerState(
@@ -123,7 +127,7 @@ def _raise_recompile_limit(limit: int = 256) -> None:
     A server sees many (rows, query length) combinations; past ``recompile_limit`` a
     ``fullgraph=True`` function fails hard (``FailOnRecompileLimitHit``) instead of falling
     back, which would fail every request of that step. Dynamo's config is per thread, so
-    this runs in the main thread (warm-up) and again in the engine thread.
+    this runs in the engine thread, before the engine is built and warmed up.
     """
     import torch._dynamo
 
