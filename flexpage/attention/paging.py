@@ -129,7 +129,7 @@ def build_paged_batch(
     query_lens_n = query_lens.cpu().numpy().astype(np.int64)
     starts = np.cumsum(query_lens_n) - query_lens_n
     num_tokens = int(query_lens_n.sum())
-    positions, slots = _positions_and_slots(tables, seq_lens_n, query_lens_n, starts, num_tokens, page_size)
+    positions, slots = _positions_and_slots(tables, seq_lens_n, query_lens_n, page_size)
     page_to_logical = torch.from_numpy(_page_to_logical(tables, seq_lens_n, page_size, num_pages))
     is_decode = query_lens_n == 1
     groups = []
@@ -197,13 +197,18 @@ def _first(t: Tensor, idx: Tensor) -> int | None:
     return int(t[idx[0]]) if idx.numel() else None
 
 
+def token_positions(seq_lens: np.ndarray, query_lens: np.ndarray) -> np.ndarray:
+    """Logical position of every new token, in flat order (sequence 0's new tokens, then 1's, ...)."""
+    starts = np.cumsum(query_lens) - query_lens  # flat index of each sequence's first new token
+    first = seq_lens - query_lens  # logical position of each sequence's first new token
+    return np.repeat(first - starts, query_lens) + np.arange(int(query_lens.sum()))
+
+
 def _positions_and_slots(
-    tables: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray, starts: np.ndarray, num_tokens: int,
-    page_size: int,
+    tables: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray, page_size: int,
 ) -> tuple[np.ndarray, np.ndarray]:
     seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
-    offset_in_query = np.arange(num_tokens) - starts[seq_of_token]
-    positions = (seq_lens - query_lens)[seq_of_token] + offset_in_query
+    positions = token_positions(seq_lens, query_lens)
     pages = tables[seq_of_token, positions // page_size]
     return positions, pages * page_size + positions % page_size
 

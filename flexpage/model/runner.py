@@ -32,7 +32,7 @@ from torch import Tensor
 from flexpage.attention.flex import FlexRunner
 from flexpage.attention.hf_backend import recipe_for
 from flexpage.attention.kv_pool import KVPool
-from flexpage.attention.paging import PagedBatch, build_paged_batch, next_power_of_two
+from flexpage.attention.paging import PagedBatch, build_paged_batch, next_power_of_two, token_positions
 from flexpage.attention.recipe import Recipe
 from flexpage.core.layer_groups import LayerGroup, layer_windows, plan_layer_groups
 
@@ -200,7 +200,8 @@ class ModelRunner:
             pages_per_block=self.blocks_per_attention_block,
             runners=self._runners,
         )
-        positions = _positions(inputs.seq_lens, inputs.query_lens)
+        positions = torch.from_numpy(token_positions(np.asarray(inputs.seq_lens, dtype=np.int64),
+                                                     np.asarray(inputs.query_lens, dtype=np.int64)))
         self.current_step = step
         out = self.model(
             input_ids=torch.tensor(inputs.token_ids)[None],
@@ -243,14 +244,6 @@ def _padded_tables(block_tables: list[list[int]], width: int) -> Tensor:
     tables[np.arange(width) < lengths[:, None]] = np.fromiter(chain.from_iterable(block_tables), dtype=np.int32,
                                                               count=int(lengths.sum()))
     return torch.from_numpy(tables)
-
-
-def _positions(seq_lens: list[int], query_lens: list[int]) -> Tensor:
-    """Logical position of every new token, sequence after sequence."""
-    query = np.asarray(query_lens, dtype=np.int64)
-    first = np.asarray(seq_lens, dtype=np.int64) - query  # each sequence's first new position
-    token = np.arange(int(query.sum()))
-    return torch.from_numpy(np.repeat(first - (np.cumsum(query) - query), query) + token)
 
 
 def _route_bloom_attention(model: torch.nn.Module, runner: ModelRunner) -> None:
