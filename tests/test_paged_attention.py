@@ -168,9 +168,10 @@ def test_eager_paged_attention_matches_reference(geometry: Geometry, spec: Batch
     assert err < geometry.tol, f"{geometry} {spec}: relative error {err:.2e}"
 
 
-def test_tuned_cpu_template_is_used_only_for_flexpage_bf16_kernels(monkeypatch: pytest.MonkeyPatch):
-    """flexpage's bf16 kernels get the tuned template (P@V through the micro-gemm, rows
-    blocked); the same flex_attention compiled without flexpage's kernel option stays stock."""
+def test_tuned_cpu_template_is_used_only_for_flexpage_kernels(monkeypatch: pytest.MonkeyPatch):
+    """flexpage's kernels get the tuned template: every dtype the lean key-block loop (tail
+    trimming, no identity score mod, no list search), bf16 also P@V through the micro-gemm
+    and rows blocked; the same flex_attention compiled without flexpage's kernel option stays stock."""
     from torch._inductor import config as inductor_config
     from torch._inductor.utils import run_and_get_code
     from torch.nn.attention.flex_attention import flex_attention
@@ -181,16 +182,23 @@ def test_tuned_cpu_template_is_used_only_for_flexpage_bf16_kernels(monkeypatch: 
         return flex._group_attention(*args)
 
     monkeypatch.setattr(flex, "_compiled_group_attention", torch.compile(fresh_code_object, fullgraph=True))
-    step = causal_case(DECODE_ONLY, BF16_GQA_D64)
     with inductor_config.patch(force_disable_caches=True):
-        _, (flexpage_code, *_) = run_and_get_code(step.run, compile=True)
+        codes = {}
+        for geometry in (BF16_GQA_D64, FP32_GQA_D64):
+            _, (codes[geometry.dtype], *_) = run_and_get_code(causal_case(DECODE_ONLY, geometry).run, compile=True)
         q = torch.randn(1, 2, 32, 64, dtype=torch.bfloat16)
         stock = torch.compile(flex_attention, dynamic=False)
         _, (stock_code, *_) = run_and_get_code(stock, q, q, q)
-    assert "flexpage: P@V through the micro-gemm" in flexpage_code
-    assert "transpose_b_kernel<3, 16" in flexpage_code  # the 3 packed query heads in one register block
+    for code in codes.values():
+        assert "flexpage: the mask was evaluated before the gemm" in code
+        assert "apply score mod function" not in code  # causal: the score mod is the identity
+        assert "std::find(kv_indice_list" not in code
+    assert "flexpage: P@V through the micro-gemm" in codes[torch.bfloat16]
+    assert "transpose_b_kernel<3, 16" in codes[torch.bfloat16]  # the 3 packed query heads in one register block
+    assert "flexpage: P@V through the micro-gemm" not in codes[torch.float32]
     assert "flexpage" not in stock_code
     assert "transpose_b_kernel<3, 16" not in stock_code
+    assert "std::find(kv_indice_list" in stock_code
 
 
 # ---- kernel key blocks of several pages -------------------------------------------------------
@@ -214,6 +222,26 @@ def test_kernel_blocks_of_several_pages_match_reference(spec: BatchSpec, layout:
     for compile in (True, False):
         err = rel_err(step.run(compile=compile), step.reference())
         assert err < FP32_GQA_D64.tol, f"{spec} {layout} compile={compile}: relative error {err:.2e}"
+
+
+def test_compiled_kernel_never_reads_past_a_sequence_end_in_its_last_key_block():
+    """The unfilled tail of a row's last key block is skipped, not read and masked: NaN there
+    (which a masked read would turn into NaN output, since 0 * NaN = NaN) changes nothing.
+    Eager mode reads every slot, so this holds for the compiled kernel only."""
+    step = PagedCase(MIXED, FP32_GQA_D64, causal(), page_size=PAGE_SIZE, num_pages=NUM_PAGES, width=TABLE_WIDTH,
+                     pages_per_block=RUN)
+    before = step.run()
+    block_tokens = PAGE_SIZE * RUN
+    poisoned = 0
+    for row, seq_len in enumerate(MIXED.seq_lens):
+        last_slot = int(step.block_tables[row, (seq_len - 1) // PAGE_SIZE]) * PAGE_SIZE + (seq_len - 1) % PAGE_SIZE
+        block_end = (last_slot // block_tokens + 1) * block_tokens  # each row's last run is its own (fresh) run
+        for pool in (step.k_pool, step.v_pool):
+            pool[0, :, last_slot + 1:block_end] = float("nan")
+        poisoned += block_end - last_slot - 1
+    assert poisoned > 0
+    after = step.run()
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
 
 
 def test_kernel_block_is_full_only_when_one_row_owns_every_page():

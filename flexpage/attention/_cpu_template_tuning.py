@@ -1,9 +1,19 @@
-"""An opt-in tuning of PyTorch's CPU FlexAttention template for paged decode (torch 2.13).
+"""An opt-in tuning of PyTorch's CPU FlexAttention template for paged attention (torch 2.13).
 
-The CPU template visits one (row, head, key block) at a time. For the small query blocks
-of paged decode (one token's ``G`` packed query heads: 1-8 rows) two of its choices cost
-more than the attention itself (``perf`` of a batch-64 GQA decode call: 28% in MKL's
-generic bf16 gemm, 22% in the q@k^T micro-gemm):
+The CPU template visits one (row, head, key block) at a time. For every dtype the tuned
+template cuts what a visit costs beyond reading the block:
+
+- a partial block's mask (it depends on indices only) is evaluated *before* the q@k^T gemm,
+  and the block is shortened to its last column some query row can see: a sequence's last
+  key block is usually partly filled, and the stock template reads all of it (K and V) and
+  masks the unfilled slots afterwards;
+- no per-block heap allocation of index buffers, no identity score mod (a copy of the score
+  tile onto itself), no linear search to tell partial from full blocks (partial ones are
+  listed first).
+
+For the small query blocks of bf16/fp16 decode (one token's ``G`` packed query heads: 1-8
+rows) two more choices cost more than the attention itself (``perf`` of a batch-64 GQA
+decode call: 28% in MKL's generic bf16 gemm, 22% in the q@k^T micro-gemm):
 
 - ``P @ V`` goes through ``cpublas::brgemm``, which for unpacked bf16 falls back to a full
   MKL gemm call per key block (converting to fp32 inside). The template already has a
@@ -12,32 +22,138 @@ generic bf16 gemm, 22% in the q@k^T micro-gemm):
   tile is reloaded for every row. The tuned template blocks ``min(query block rows, 8)``
   rows, which keeps the whole query block in registers for decode.
 
-Together 1.5-3x faster bf16 decode calls (``bench/attention.py``,
-docs/attention-benchmark.md), identical numerics up to float summation order. float32
-kernels keep the stock template (brgemm is a fast sgemm there; both changes measured slower).
+Those two give 1.5-3x faster bf16 decode calls; float32 keeps ``brgemm`` and one-row
+blocks (a fast sgemm there; both changes measured slower). Numerics are identical up to
+float summation order (``bench/attention.py``, docs/attention-benchmark.md).
 
 Only kernels compiled with ``kernel_options={TUNED_OPTION: TUNING_VERSION}`` get the tuned
 template (flexpage always passes it); everything else in the process, including PyTorch's
 experimental ``PagedAttention`` our benchmark compares against, stays stock. The option is
 part of the compiled graph, so Inductor's cache keys tuned and stock kernels apart -- and
-kernels of an older tuning: bump ``TUNING_VERSION`` whenever the tuning changes.
+kernels of an older tuning: bump ``TUNING_VERSION`` whenever the tuning changes (the FX
+graph cache does not see template text).
 """
 
 from __future__ import annotations
 
 import contextvars
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 TUNED_OPTION = "FLEXPAGE_TUNED_CPU_TEMPLATE"
-TUNING_VERSION = 2  # 2: float32 kernels stay stock
+TUNING_VERSION = 5  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype
 _MAX_BLOCK_M = 8
 _STOCK_PV_BRANCH = "          if (!std::is_same_v<scalar_t, at::Half>) {\n            at::native::cpublas::brgemm("
 _TUNED_PV_BRANCH = "          if (false) {  // flexpage: P@V through the micro-gemm\n            at::native::cpublas::brgemm("
 
+# Text edits of the stock template (each must match exactly once, else nothing is tuned).
+_LEAN_EDITS = (
+    ("""        // TODO: reduce the number of calls of q_idx and kv_idx initialization
+        std::vector<int64_t> q_idx(cur_qSplitSize);""",
+     """        // flexpage: index buffers kept per thread, not allocated per key block
+        thread_local std::vector<int64_t> q_idx;
+        q_idx.resize(cur_qSplitSize);"""),
+    ("""        std::vector<int64_t> kv_idx(cur_kvSplitSize);
+        for (int64_t i = 0; i < cur_kvSplitSize; ++i) {
+          kv_idx[i] = n + i;
+        }
+
+        std::vector<int64_t> b_idx = {i};
+        std::vector<int64_t> h_idx = {j};""",
+     """        thread_local std::vector<int64_t> kv_idx;
+        kv_idx.resize(cur_kvSplitSize);
+        for (int64_t i = 0; i < cur_kvSplitSize; ++i) {
+          kv_idx[i] = n + i;
+        }
+
+        std::array<int64_t, 1> b_idx = {i};
+        std::array<int64_t, 1> h_idx = {j};"""),
+    ("""        // apply score mod function
+        {""",
+     """{%- if not template.flexpage_identity_score %}
+        // apply score mod function
+        {"""),
+    ("""        if ((std::find(kv_indice_list.begin(), kv_indice_list.end(), cur_n) != kv_indice_list.end()) ){""",
+     """{%- endif %}
+        if (n_idx < kv_indice_num) {  // flexpage: partial blocks are listed (and visited) first"""),
+    # A mask depends on indices alone: evaluate a partial block's mask before the q@k^T gemm
+    # and shorten the block to its last column some query row can see. A sequence's last key
+    # block is usually partly filled; the stock template reads all of it (K and V) and masks
+    # the unfilled slots afterwards.
+    ("""        int64_t cur_ekvSplitSize = (need_pack && cur_kvSplitSize % 2 != 0) ? cur_kvSplitSize + 1 : cur_kvSplitSize;
+""",
+     """{%- if score_mod and mask_mod %}
+        const accum_t* mask_bias = nullptr;  // flexpage: 0 (visible) / -inf per (row, column), row stride mask_bias_stride
+        const int64_t mask_bias_stride = cur_kvSplitSize;
+        if (n_idx < kv_indice_num && !need_pack) {
+          thread_local std::vector<accum_t> bias_buf;
+          bias_buf.assign(cur_qSplitSize * cur_kvSplitSize, accum_t(0));
+          thread_local std::vector<int64_t> q_idx, kv_idx;
+          q_idx.resize(cur_qSplitSize);
+          kv_idx.resize(cur_kvSplitSize);
+          for (int64_t i = 0; i < cur_qSplitSize; ++i) {
+            q_idx[i] = m + i;
+          }
+          for (int64_t i = 0; i < cur_kvSplitSize; ++i) {
+            kv_idx[i] = n + i;
+          }
+          std::array<int64_t, 1> b_idx = {i};
+          std::array<int64_t, 1> h_idx = {j};
+          accum_t* in_ptr0 = bias_buf.data();
+          auto in_ptr1 = b_idx.data();
+          auto in_ptr2 = h_idx.data();
+          auto in_ptr3 = q_idx.data();
+          auto in_ptr4 = kv_idx.data();
+          {
+              {{ template.generate_other_buffer("mask_others", -1, "len_mask_other", kernel.args) }}
+              accum_t* out_ptr{{mask_buf_idx}} = in_ptr0;
+              {{ template.modification(mask_mod, mask_buf_name, mask_buf_idx)|indent(12, false) }}
+          }
+          int64_t visible = 1;  // at least one column: a fully masked block then takes the -inf path below
+          for (int64_t row = 0; row < cur_qSplitSize; ++row) {
+            const accum_t* bias_row = bias_buf.data() + row * mask_bias_stride;
+            for (int64_t col = cur_kvSplitSize - 1; col >= visible; --col) {
+              if (bias_row[col] != -std::numeric_limits<accum_t>::infinity()) {
+                visible = col + 1;
+                break;
+              }
+            }
+          }
+          mask_bias = bias_buf.data();
+          cur_kvSplitSize = visible;
+        }
+{%- endif %}
+        int64_t cur_ekvSplitSize = (need_pack && cur_kvSplitSize % 2 != 0) ? cur_kvSplitSize + 1 : cur_kvSplitSize;
+"""),
+    ("""          // Apply block mask, fill unused with -inf
+          {
+""",
+     """{%- if score_mod and mask_mod %}
+          if (mask_bias != nullptr) {  // flexpage: the mask was evaluated before the gemm
+            for (int64_t row = 0; row < cur_qSplitSize; ++row) {
+              accum_t* scores = qk_data + row * cur_kvSplitSize;
+              const accum_t* bias_row = mask_bias + row * mask_bias_stride;
+              for (int64_t col = 0; col < cur_kvSplitSize; ++col) {
+                scores[col] = bias_row[col] == accum_t(0) ? scores[col] : bias_row[col];
+              }
+            }
+          } else
+{%- endif %}
+          // Apply block mask, fill unused with -inf
+          {
+"""),
+)
+
+
+class _Lowering(NamedTuple):
+    tuned: bool  # the kernel asked for the tuned template
+    identity_score: bool  # its score mod returns the score unchanged
+
+
 # set while flex_attention is lowered, read when the lowering constructs its template
-_lowering_tuned: contextvars.ContextVar[bool] = contextvars.ContextVar("flexpage_tuned", default=False)
+_lowering: contextvars.ContextVar[_Lowering] = contextvars.ContextVar(
+    "flexpage_lowering", default=_Lowering(False, False))
 
 
 def apply() -> None:
@@ -51,37 +167,46 @@ def apply() -> None:
     if getattr(template_cls, "_flexpage_tuning", False):
         return
     stock_template = template_module.FLEX_ATTENTION_TEMPLATE
-    if stock_template.count(_STOCK_PV_BRANCH) != 1:
+    if any(stock_template.count(old) != 1 for old, _ in (*_LEAN_EDITS, (_STOCK_PV_BRANCH, None))):
         return
-    tuned_template = stock_template.replace(_STOCK_PV_BRANCH, _TUNED_PV_BRANCH)
+    lean_template = stock_template
+    for old, new in _LEAN_EDITS:
+        lean_template = lean_template.replace(old, new)
+    reduced_template = lean_template.replace(_STOCK_PV_BRANCH, _TUNED_PV_BRANCH)
 
     hop = torch.ops.higher_order.flex_attention
     stock_lowering = lowering.lowerings[hop]
 
     def flex_attention_lowering(*args: Any, **kwargs: Any) -> Any:
         kernel_options = args[6] if len(args) > 6 else kwargs.get("kernel_options", {})
-        token = _lowering_tuned.set(bool(kernel_options.get(TUNED_OPTION, False)))
+        score_mod = args[3] if len(args) > 3 else kwargs.get("subgraph")
+        tuned = bool(kernel_options.get(TUNED_OPTION, False))
+        token = _lowering.set(_Lowering(tuned, tuned and _is_identity(score_mod)))
         try:
             return stock_lowering(*args, **kwargs)
         finally:
-            _lowering_tuned.reset(token)
+            _lowering.reset(token)
 
     stock_init = template_cls.__init__
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: N807
         stock_init(self, *args, **kwargs)
-        self.flexpage_tuned = _lowering_tuned.get()  # templates are rendered after lowering returns
+        lowering_state = _lowering.get()  # templates are rendered after lowering returns
+        self.flexpage_tuned = lowering_state.tuned
+        self.flexpage_identity_score = lowering_state.identity_score
 
     stock_choose = template_cls.choose_flex_template
 
     def choose_flex_template(self, *args: Any, **kwargs: Any) -> str:
         chosen = stock_choose(self, *args, **kwargs)
-        return tuned_template if _is_tuned(self) and chosen is stock_template else chosen
+        if not getattr(self, "flexpage_tuned", False) or chosen is not stock_template:
+            return chosen
+        return reduced_template if _is_reduced(self) else lean_template
 
     stock_micro_gemm_define = template_cls.micro_gemm_define
 
     def micro_gemm_define(self, kernel_name: str) -> str:
-        if not _is_tuned(self):
+        if not (getattr(self, "flexpage_tuned", False) and _is_reduced(self)):
             return stock_micro_gemm_define(self, kernel_name)
         stock_gemm = cpp_micro_gemm.CppMicroGemmFP32Vec
         block_m = max(1, min(int(self.q_block_size), _MAX_BLOCK_M))
@@ -105,8 +230,20 @@ def apply() -> None:
     template_cls._flexpage_tuning = True
 
 
-def _is_tuned(template: Any) -> bool:
-    """float32 keeps the stock template: there ``cpublas::brgemm`` is a fast sgemm and row
-    blocking does not pay (measured, docs/attention-benchmark.md)."""
-    reduced = template.input_nodes[0].get_dtype() in (torch.bfloat16, torch.float16)
-    return getattr(template, "flexpage_tuned", False) and reduced
+def _is_reduced(template: Any) -> bool:
+    """P@V through the micro-gemm and row blocking are for bf16/fp16 only: for float32
+    ``cpublas::brgemm`` is a fast sgemm and row blocking does not pay (measured,
+    docs/attention-benchmark.md)."""
+    return template.input_nodes[0].get_dtype() in (torch.bfloat16, torch.float16)
+
+
+def _is_identity(score_mod: Any) -> bool:
+    """Whether a lowered score-mod subgraph returns its score unchanged (flex_attention's default)."""
+    graph = getattr(getattr(score_mod, "graph_module", None), "graph", None)
+    if graph is None:
+        return False
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    (output,) = [node for node in graph.nodes if node.op == "output"]
+    result = output.args[0]
+    result = result[0] if isinstance(result, (tuple, list)) and len(result) == 1 else result
+    return bool(placeholders) and result is placeholders[0]
