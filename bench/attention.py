@@ -58,11 +58,20 @@ EXP_LARGE_PARTITION = 512
 # compiled graph) means one compile per (dtype, heads, page size) instead of one per row.
 FLEX_POOL_TOKENS = 64 * 4096
 TOL = {"float32": 1e-4, "bfloat16": 3e-2}
-# flexpage layouts: label -> (page size, pages per kernel key block). "p16" is what the engine runs: 16-token
-# pages handed out by flexpage's BlockPool in aligned runs of 8 (rows growing in turn, page by page, as in
-# decode), read as 128-token key blocks; "p16k256": the same with runs of 16 (256-token key blocks).
-# "p16k16": key block = page, pages scattered at random (session 1's layout).
-FLEX_LAYOUTS = {"p16": (16, 8), "p16k256": (16, 16), "p16k16": (16, 1)}
+# flexpage layouts: label -> (page size, pages per kernel key block). "p16k128": 16-token pages handed out by
+# flexpage's BlockPool in aligned runs of 8 (rows growing in turn, page by page, as in decode), read as
+# 128-token key blocks; "p16k256": the same with runs of 16 (256-token key blocks); "p16k16": key block =
+# page, pages scattered at random (session 1's layout). "flex16" in the tables is the layout the engine
+# runs for the row's dtype (engine_layout).
+FLEX_LAYOUTS = {"p16k128": (16, 8), "p16k256": (16, 16), "p16k16": (16, 1)}
+
+
+def engine_layout(dtype_name: str) -> str:
+    """The layout flexpage's engine uses at page size 16: its default key block for the dtype."""
+    import torch
+    from flexpage.config import default_attention_block_size
+
+    return f"p16k{default_attention_block_size(getattr(torch, dtype_name))}"
 
 
 # --------------------------------------------------------------------------- timing
@@ -377,6 +386,11 @@ def run_decode_case(case: DecodeCase, args, ctx: dict) -> dict:
         row[f"flex_{label}_over_sdpa"] = f_ms / sdpa_ms
         row[f"flex_{label}_gbs"] = live_bytes / (f_ms * 1e-3) / 1e9
         row[f"flex_{label}_over_floor"] = f_ms / row["floor_ms_row_copy"]
+    # "flex_p16_*" (flex16 in the tables): the layout the engine runs for this dtype
+    row["engine_layout"] = engine = engine_layout(case.dtype)
+    for suffix in ("ms", "over_sdpa", "gbs", "over_floor"):
+        if f"flex_{engine}_{suffix}" in row:
+            row[f"flex_p16_{suffix}"] = row[f"flex_{engine}_{suffix}"]
     row["sdpa_ms"] = sdpa_ms
     exp_by_page: dict[int, dict] = {}
     for page, partition in exp_configs:
@@ -418,7 +432,7 @@ def run_prefill(args, errors: list[str]) -> list[dict]:
             k = torch.randn(seqs, heads, total, dim, generator=gen).to(dtype)
             v = torch.randn(seqs, heads, total, dim, generator=gen).to(dtype)
             q = torch.randn(seqs, heads, new, dim, generator=gen).to(dtype)
-            table, num_pages, page, run = flex_layout_table("p16", lens, gen)
+            table, num_pages, page, run = flex_layout_table(engine_layout(dtype_name), lens, gen)
             k_pool, v_pool = fill_pool(k, v, lens, table, page, num_pages)
             batch = build_paged_batch(table.int(), lens.int(), torch.full((seqs,), new, dtype=torch.int32),
                                       page_size=page, num_pages=num_pages, recipe=CAUSAL, pages_per_block=run)
@@ -486,7 +500,7 @@ def run_block_masks(args) -> dict:
                 return build_paged_batch(t, lens32, ones, page_size=page, num_pages=n, recipe=CAUSAL)
 
             fns[f"build_paged_batch ({label})"] = build
-        table, num_pages, _, run = flex_layout_table("p16", lens, gen)
+        table, num_pages, _, run = flex_layout_table("p16k128", lens, gen)
         fns["build_paged_batch (16k-page pool, 128-token key blocks)"] = (
             lambda t=table.int(), n=num_pages, r=run: build_paged_batch(t, lens32, ones, page_size=page, num_pages=n,
                                                                         recipe=CAUSAL, pages_per_block=r))
@@ -702,7 +716,8 @@ def write_plot(results: dict, path: str) -> None:
     for ax, dtype in zip(axes[0], dtypes):
         rs = sorted((r for r in rows if r["dtype"] == dtype), key=lambda r: r["batch"])
         xs = [r["batch"] for r in rs]
-        series = [("flexpage p16 (128-token key blocks)", [r.get("flex_p16_ms") for r in rs], "o-"),
+        key_block = engine_layout(dtype).removeprefix("p16k")
+        series = [(f"flexpage p16 ({key_block}-token key blocks)", [r.get("flex_p16_ms") for r in rs], "o-"),
                   ("flexpage p16, key block = page", [r.get("flex_p16k16_ms") for r in rs], "o--"),
                   ("SDPA padded", [r["sdpa_ms"] for r in rs], "s-"),
                   ("experimental best page", [r.get("exp_best", {}).get("ms") for r in rs], "^-"),
@@ -752,6 +767,9 @@ def generated_doc_section(results: dict, args) -> str:
     header, body = decode_table(results["decode"], tuple(results["args"]["flex_pages"]))
     lines += [render_markdown(header, body), ""]
     lines += [
+        "`flex16` = flexpage at page size 16 with the engine's key block for the dtype "
+        f"({engine_layout('float32')} for fp32, {engine_layout('bfloat16')} for bf16; "
+        "`flexpage.config.default_attention_block_size`). "
         "`exp pN`: PyTorch experimental PagedAttention + compiled flex_attention at page size N, the faster of "
         f"default kernel options (PARTITION_SIZE {EXP_DEFAULT_PARTITION}) and PARTITION_SIZE {EXP_LARGE_PARTITION} "
         "(`*` = the larger partition won); every configuration is in the JSON. `floor ms` = live KV bytes / copy "
@@ -921,7 +939,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.plot = args.plot or (DEFAULT_PLOT if full else None)
     args.reps = args.reps or (15 if full else 6)
     args.prefill_reps = args.prefill_reps or (10 if full else 4)
-    args.flex_pages = ("p16", "p16k256", "p16k16") if full else ("p16",)
+    args.flex_pages = tuple(FLEX_LAYOUTS) if full else None  # quick: the engine's fp32 layout, once flexpage is importable
     return args
 
 
@@ -931,6 +949,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when libgomp starts (torch import)
     if args.flexpage_src:
         sys.path.insert(0, os.path.abspath(args.flexpage_src))
+    if args.flex_pages is None:
+        args.flex_pages = (engine_layout("float32"),)
     if args.cbm_probe:
         print(json.dumps(cbm_probe()))
         return 0
@@ -987,7 +1007,7 @@ def main(argv: list[str] | None = None) -> int:
             results["decode"].append(row)
             eb = row.get("exp_best")
             print(f"  decode {case.name:<18} {case.dtype:<8} flex16 {fmt(row.get('flex_p16_ms'), 2):>8}  "
-                  + "".join(f"{label} {row[f'flex_{label}_ms']:8.2f}  " for label in args.flex_pages[1:]
+                  + "".join(f"{label} {row[f'flex_{label}_ms']:8.2f}  " for label in args.flex_pages
                             if f"flex_{label}_ms" in row)
                   + f"sdpa {row['sdpa_ms']:8.2f}  ratio {fmt(row.get('flex_p16_over_sdpa'), 2)}  "
                   + (f"exp best {eb['ms']:.2f} (p{eb['page']}, ps{eb['partition']})  " if eb else "")

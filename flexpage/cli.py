@@ -31,7 +31,8 @@ def generate(
     chat: bool = typer.Option(False, help="Wrap each prompt as a user message with the chat template."),
     dtype: str = typer.Option("auto", help="auto | bfloat16 | float32."),
     block_size: int = typer.Option(8, help="Tokens per KV block."),
-    attention_block_size: int = typer.Option(128, help="Tokens per attention key block (blocks come in runs of it)."),
+    attention_block_size: Optional[int] = typer.Option(None, help="Tokens per attention key block (blocks come in "
+                                                                  "runs of it); default 256 for float32, 128 else."),
     num_blocks: Optional[int] = typer.Option(None),
     kv_cache_memory: str = typer.Option("1GiB"),
     eager: bool = typer.Option(False, help="Run attention without torch.compile (debugging)."),
@@ -102,8 +103,9 @@ def serve(
     max_model_len: Optional[int] = typer.Option(None, help="Longest prompt + completion in tokens; default from the "
                                                            "model (at most 8192)."),
     block_size: int = typer.Option(8, help="Tokens per KV block."),
-    attention_block_size: int = typer.Option(128, help="Tokens per attention key block: KV blocks are handed out "
-                                                       "in aligned runs this long, read as one key block."),
+    attention_block_size: Optional[int] = typer.Option(None, help="Tokens per attention key block: KV blocks are "
+                                                                  "handed out in aligned runs this long, read as one "
+                                                                  "key block [default: 256 for float32, 128 else]."),
     kv_cache_memory: Optional[str] = typer.Option(None, help="KV pool size, e.g. 512MiB, 2GiB [default: 1GiB]."),
     num_blocks: Optional[int] = typer.Option(None, help="KV pool size in blocks (instead of --kv-cache-memory)."),
     max_num_seqs: int = typer.Option(64, help="Sequences batched at once."),

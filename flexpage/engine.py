@@ -74,12 +74,13 @@ class LLMEngine:
         bytes_per_block = _kv_bytes_per_token(text_config, dtype, len(self.layer_groups[0].layers)) * config.block_size
         num_blocks = config.num_blocks or max(2, parse_size(config.kv_cache_memory) // bytes_per_block)
         compile = config.compile and os.environ.get("FLEXPAGE_COMPILE", "1") != "0"
+        run_length = config.blocks_per_attention_block(dtype)
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size, compile=compile,
                                   num_host_blocks=parse_size(config.swap_space) // bytes_per_block,
-                                  blocks_per_attention_block=config.blocks_per_attention_block)
+                                  blocks_per_attention_block=run_length)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
-            num_host_blocks=self.runner.num_host_blocks, run_length=config.blocks_per_attention_block,
+            num_host_blocks=self.runner.num_host_blocks, run_length=run_length,
             group_windows=[group.window for group in self.runner.layer_groups],
         )
         self.scheduler = Scheduler(

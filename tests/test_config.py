@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from flexpage.config import EngineConfig, parse_size
 
@@ -31,7 +32,17 @@ def test_bad_fields_are_named(kwargs: dict, message: str) -> None:
 def test_blocks_per_attention_block(block_size: int, attention_block_size: int, run: int) -> None:
     """Blocks are handed out in runs of attention_block_size tokens; pages at least that big are runs of one."""
     config = EngineConfig(block_size=block_size, attention_block_size=attention_block_size)
-    assert config.blocks_per_attention_block == run
+    for dtype in (torch.float32, torch.bfloat16):
+        assert config.blocks_per_attention_block(dtype) == run
+
+
+def test_attention_block_size_defaults_by_dtype() -> None:
+    """Unset, the key block is 256 tokens for float32 pools and 128 for bf16/fp16 (docs/attention-benchmark.md)."""
+    config = EngineConfig(block_size=8)
+    assert config.attention_block_size is None
+    assert config.blocks_per_attention_block(torch.float32) == 32
+    assert config.blocks_per_attention_block(torch.bfloat16) == 16
+    assert config.blocks_per_attention_block(torch.float16) == 16
 
 
 def test_sizes_parse() -> None:

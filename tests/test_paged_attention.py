@@ -21,8 +21,11 @@ kernels instead of each compiling its own.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attention_reference import (
     BatchSpec,
@@ -35,7 +38,7 @@ from attention_reference import (
     rel_err,
 )
 from flexpage.attention.flex import FlexRunner
-from flexpage.attention.paging import build_paged_batch
+from flexpage.attention.paging import build_paged_batch, thread_balanced_order
 from recipes.causal import causal
 
 pytestmark = pytest.mark.usefixtures("compile_budget", "single_torch_thread")
@@ -283,6 +286,47 @@ def test_slots_outside_the_block_tables_are_never_read():
         pool[0, :, ~owned] = 1e4  # huge values would dominate any softmax they leaked into
     after = step.run()
     torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("work", "num_rows", "threads", "expected"), [
+    ([4000, 4000, 100, 100], 4, 2, [0, 2, 1, 3]),  # both long rows in the first half: one each
+    ([4000, 100, 4000, 100], 4, 2, [0, 1, 2, 3]),  # already balanced: batch order kept
+    ([100, 3000, 2900, 50, 60, 70], 8, 2, [1, 5, 4, 3, 2, 0]),  # 6 rows padded to 8: shares of 4 and 2 real rows
+    ([4000, 4000, 100, 100], 4, 1, [0, 1, 2, 3]),  # one thread: nothing to balance
+])
+def test_rows_are_ordered_so_each_kernel_thread_gets_equal_work(work, num_rows, threads, expected):
+    order = thread_balanced_order(np.array(work), num_rows, threads)
+    assert order.tolist() == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(work=st.lists(st.integers(1, 5000), min_size=1, max_size=40), threads=st.integers(1, 4))
+def test_balanced_order_is_a_permutation_never_worse_than_batch_order(work: list[int], threads: int):
+    work_arr = np.array(work)
+    num_rows = 1 << (len(work) - 1).bit_length()
+    order = thread_balanced_order(work_arr, num_rows, threads)
+    assert sorted(order.tolist()) == list(range(len(work)))
+    share = -(-num_rows // threads)
+
+    def busiest(w: np.ndarray) -> int:
+        return max(int(w[t * share:(t + 1) * share].sum()) for t in range(threads))
+
+    assert busiest(work_arr[order]) <= busiest(work_arr)
+
+
+def test_rows_reordered_for_two_threads_still_match_reference():
+    """Two long rows first, short ones after: planned for two threads the rows are reordered
+    (so the decode group needs its gather and scatter) and every token's output stays its own."""
+    spec = BatchSpec("skewed", seq_lens=(120, 110, 3, 5, 40, 4, 2, 7), query_lens=(1, 1, 1, 1, 33, 1, 1, 1))
+    step = causal_case(spec, FP32_GQA_D64)
+    seq_lens, query_lens = spec.tensors()
+    step.batch = build_paged_batch(step.block_tables, seq_lens, query_lens, page_size=PAGE_SIZE,
+                                   num_pages=NUM_PAGES, recipe=causal(), num_threads=2)
+    decode = step.batch.groups[0]
+    assert decode.row_seq[:7].tolist() != [0, 1, 2, 3, 5, 6, 7] and not decode.covers_batch_in_order
+    for compile in (True, False):
+        err = rel_err(step.run(compile=compile), step.reference())
+        assert err < FP32_GQA_D64.tol, f"compile={compile}: relative error {err:.2e}"
 
 
 def test_sequences_sharing_prefix_pages_see_the_same_prefix():

@@ -98,6 +98,7 @@ def build_paged_batch(
     recipe: Recipe,
     pages_per_block: int = 1,
     bucket: bool = True,
+    num_threads: int | None = None,
 ) -> PagedBatch:
     """Plan one step of paged attention.
 
@@ -114,7 +115,10 @@ def build_paged_batch(
     of pages gets large key blocks while pages stay small for sharing. Any placement is
     still correct: a block that is not wholly owned and visible runs the mask.
     ``bucket`` rounds group row counts and query lengths up to powers of two so a
-    serving run triggers a bounded number of compiled kernels.
+    serving run triggers a bounded number of compiled kernels. ``num_threads`` (default:
+    torch's) is how many threads the kernel splits a group's rows between; rows are ordered
+    so that each thread's share holds about the same number of tokens (see
+    :func:`thread_balanced_order`).
     """
     check_arg(isinstance(pages_per_block, int) and pages_per_block >= 1, "pages_per_block", pages_per_block,
               "a positive int")
@@ -132,11 +136,15 @@ def build_paged_batch(
     positions, slots = _positions_and_slots(tables, seq_lens_n, query_lens_n, page_size)
     page_to_logical = torch.from_numpy(_page_to_logical(tables, seq_lens_n, page_size, num_pages))
     is_decode = query_lens_n == 1
+    threads = torch.get_num_threads() if num_threads is None else num_threads
     groups = []
     for mask, q_block in ((is_decode, DECODE_Q_BLOCK), (~is_decode, PREFILL_Q_BLOCK)):
         rows = np.flatnonzero(mask)
         if rows.size == 0:
             continue
+        num_rows = next_power_of_two(rows.size) if bucket else rows.size
+        work = query_lens_n[rows] * (seq_lens_n[rows] + _ROW_OVERHEAD_TOKENS)
+        rows = rows[thread_balanced_order(work, num_rows, threads)]
         groups.append(
             _build_group(
                 rows, tables, seq_lens_n, query_lens_n, starts, page_to_logical,
@@ -146,6 +154,41 @@ def build_paged_batch(
         )
     return PagedBatch(num_tokens, page_size, num_pages, pages_per_block, tuple(groups),
                       torch.from_numpy(positions), torch.from_numpy(slots))
+
+
+# a row's fixed cost in the kernel (per-row setup, its last partial key block), in tokens' worth
+_ROW_OVERHEAD_TOKENS = 64
+# keep the batch order unless balancing shortens the busiest thread's share by more than this
+_MIN_BALANCE_GAIN = 0.05
+
+
+def thread_balanced_order(work: np.ndarray, num_rows: int, num_threads: int) -> np.ndarray:
+    """A permutation of a group's rows that gives each kernel thread about equal ``work``.
+
+    The CPU kernel hands each thread one contiguous range of its (row, head, query block)
+    items, so rows ``[0, num_rows/T)`` go to the first thread and so on (padding rows, which
+    cost nothing, come last). With a few long sequences on one side the other threads wait:
+    on ``bench/attention.py``'s batch-32 row the two halves of the batch hold 36k and 53k
+    tokens. Longest row first into the least loaded share with room left; the identity
+    (batch order, which lets an all-decode step skip its query gather) unless that shortens
+    the busiest share by more than 5%. Only speed depends on the order, never the result.
+    """
+    n = work.size
+    identity = np.arange(n)
+    if num_threads <= 1 or n <= 1:
+        return identity
+    share = -(-num_rows // num_threads)
+    capacity = [min(share, max(0, n - t * share)) for t in range(num_threads)]  # real rows fill shares in order
+    load = [0] * num_threads
+    members: list[list[int]] = [[] for _ in range(num_threads)]
+    for row in np.argsort(-work, kind="stable").tolist():
+        t = min((t for t in range(num_threads) if len(members[t]) < capacity[t]), key=load.__getitem__)
+        members[t].append(row)
+        load[t] += int(work[row])
+    in_order = max(int(work[t * share:(t + 1) * share].sum()) for t in range(num_threads))
+    if max(load) > (1 - _MIN_BALANCE_GAIN) * in_order:
+        return identity
+    return np.array([row for rows in members for row in rows], dtype=np.int64)
 
 
 def _check_inputs(

@@ -31,7 +31,7 @@ class ServeSettings:
     served_model_name: str | None = None
     max_model_len: int | None = None
     block_size: int = 8
-    attention_block_size: int = 128
+    attention_block_size: int | None = None  # by dtype
     kv_cache_memory: str = "1GiB"
     num_blocks: int | None = None
     max_num_seqs: int = 64
