@@ -178,6 +178,9 @@ def thread_balanced_order(work: np.ndarray, num_rows: int, num_threads: int) -> 
     if num_threads <= 1 or n <= 1:
         return identity
     share = -(-num_rows // num_threads)
+    in_order = int(np.add.reduceat(work, np.arange(0, n, share)).max())
+    if (1 - _MIN_BALANCE_GAIN) * in_order <= work.sum() / num_threads:  # no order can beat the mean share by more
+        return identity
     capacity = [min(share, max(0, n - t * share)) for t in range(num_threads)]  # real rows fill shares in order
     load = [0] * num_threads
     members: list[list[int]] = [[] for _ in range(num_threads)]
@@ -185,7 +188,6 @@ def thread_balanced_order(work: np.ndarray, num_rows: int, num_threads: int) -> 
         t = min((t for t in range(num_threads) if len(members[t]) < capacity[t]), key=load.__getitem__)
         members[t].append(row)
         load[t] += int(work[row])
-    in_order = max(int(work[t * share:(t + 1) * share].sum()) for t in range(num_threads))
     if max(load) > (1 - _MIN_BALANCE_GAIN) * in_order:
         return identity
     return np.array([row for rows in members for row in rows], dtype=np.int64)
