@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexpage.attention import _inductor_fix
-from flexpage.attention.flex import compile_limits
+from flexpage.attention.flex import call_compiled
 from flexpage.attention.recipe import Recipe
 
 KV_BLOCK = 128
@@ -125,9 +125,8 @@ def contiguous_attention(
     fn = _compiled_contiguous_attention if compile else _contiguous_attention
     if compile:
         _mark_dynamic(q, k, v, mask, layout)
-    with compile_limits():
-        return fn(
-            q, k, v, mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
-            layout.valid, layout.shift, torch.tensor(layout.q_offset), torch.tensor(layout.kv_offset),
-            recipe, mask.q_block, scale,
-        )
+    return call_compiled(
+        fn, q, k, v, mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
+        layout.valid, layout.shift, torch.tensor(layout.q_offset), torch.tensor(layout.kv_offset),
+        recipe, mask.q_block, scale,
+    )
