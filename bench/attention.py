@@ -201,16 +201,22 @@ def flex_layout_table(label: str, lens, gen):
     return table, num_pages, page, run
 
 
-def fill_pool(k, v, lens, table, page_size: int, num_pages: int):
-    """Scatter padded K/V [B, H, L, D] into pools [1, H, num_pages*page_size, D] through a block table."""
+def fill_pool(k, v, lens, table, page_size: int, num_pages: int, flexpage_allocator: bool = False):
+    """Scatter padded K/V [B, H, L, D] into pools [1, H, num_pages*page_size, D] through a block table.
+
+    ``flexpage_allocator``: allocate the pools the way flexpage's KVPool does (``allocate_pool``:
+    anonymous memory on 2 MB pages); otherwise ``torch.zeros``, as an experimental PagedAttention
+    user allocates its cache."""
     import torch
+    from flexpage.attention.kv_pool import allocate_pool
 
     batch, heads, max_len, dim = k.shape
     pos = torch.arange(max_len)
     slots = table[:, pos // page_size] * page_size + pos % page_size  # [B, L]
     valid = pos[None, :] < lens[:, None]
-    k_pool = torch.zeros(1, heads, num_pages * page_size, dim, dtype=k.dtype)
-    v_pool = torch.zeros_like(k_pool)
+    shape = (1, heads, num_pages * page_size, dim)
+    k_pool, v_pool = ((allocate_pool(shape, k.dtype) for _ in range(2)) if flexpage_allocator
+                      else (torch.zeros(shape, dtype=k.dtype) for _ in range(2)))
     flat = slots[valid]
     k_pool[0][:, flat] = k.transpose(0, 1)[:, valid]
     v_pool[0][:, flat] = v.transpose(0, 1)[:, valid]
@@ -312,7 +318,7 @@ def run_decode_case(case: DecodeCase, args, ctx: dict) -> dict:
     for label in args.flex_pages:
         # page 0 is flexpage's null page; the rows' pages come from the whole fixed-size pool
         table, num_pages, page, run = flex_layout_table(label, lens, gen)
-        k_pool, v_pool = fill_pool(k, v, lens, table, page, num_pages)
+        k_pool, v_pool = fill_pool(k, v, lens, table, page, num_pages, flexpage_allocator=True)
         batch = build_paged_batch(
             table.int(), lens.int(), torch.ones(case.batch, dtype=torch.int32),
             page_size=page, num_pages=num_pages, recipe=CAUSAL, pages_per_block=run,
@@ -433,7 +439,7 @@ def run_prefill(args, errors: list[str]) -> list[dict]:
             v = torch.randn(seqs, heads, total, dim, generator=gen).to(dtype)
             q = torch.randn(seqs, heads, new, dim, generator=gen).to(dtype)
             table, num_pages, page, run = flex_layout_table(engine_layout(dtype_name), lens, gen)
-            k_pool, v_pool = fill_pool(k, v, lens, table, page, num_pages)
+            k_pool, v_pool = fill_pool(k, v, lens, table, page, num_pages, flexpage_allocator=True)
             batch = build_paged_batch(table.int(), lens.int(), torch.full((seqs,), new, dtype=torch.int32),
                                       page_size=page, num_pages=num_pages, recipe=CAUSAL, pages_per_block=run)
             q_flat = q.transpose(1, 2).reshape(seqs * new, heads, dim).contiguous()

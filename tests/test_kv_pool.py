@@ -6,11 +6,13 @@ layer stores K and V as ``[1, kv_heads, num_blocks * block_size, head_dim]``.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from attention_reference import BatchSpec, expected_positions_and_slots, gather_sequence_kv, make_block_tables
-from flexpage.attention.kv_pool import KVPool, write_kv
+from flexpage.attention.kv_pool import KVPool, allocate_pool, write_kv
 from flexpage.attention.paging import build_paged_batch
 from recipes.causal import causal
 
@@ -47,6 +49,30 @@ def test_pool_layout_and_sizes():
 
 
 # ---- write_kv ----------------------------------------------------------------------------------
+
+
+def _resident_mb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096 / 2**20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="resident memory is read from Linux's /proc")
+def test_a_large_pool_costs_no_memory_until_it_is_written():
+    """Anonymous memory committed on first touch: allocating 512 MiB barely moves the resident
+    size, the pool reads as zeros, and writing part of it commits only that part."""
+    before = _resident_mb()
+    pool = allocate_pool((1, 8, 1 << 19, 64), torch.bfloat16)  # 512 MiB
+    assert _resident_mb() - before < 64
+    assert pool.shape == (1, 8, 1 << 19, 64) and pool.dtype == torch.bfloat16 and pool.is_contiguous()
+    assert not pool[0, 0, :4096].any()
+    pool[0, 0, :4096] = 1.0
+    assert pool[0, 0, :4096].all() and not pool[0, 1, :4096].any()
+    assert _resident_mb() - before < 64
+
+
+def test_small_pools_are_ordinary_tensors():
+    assert allocate_pool((2, 3), torch.float32).equal(torch.zeros(2, 3))
+
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

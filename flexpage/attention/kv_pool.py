@@ -5,9 +5,16 @@ shape FlexAttention wants for its key/value arguments (batch 1, broadcast over e
 query row), so attention reads the pool in place, with no gather. A *slot* is one token
 position in the pool: ``slot = block_id * block_size + offset``. Block 0 is the null
 block; block tables pad with it, so padding reads harmless zeros.
+
+On the CPU the pool is anonymous memory mapped by the OS on first touch and advised onto
+2 MB pages (:func:`allocate_pool`): a 1 GiB pool costs no RAM until sequences fill it,
+and attention's reads of a large pool take far fewer TLB misses than on 4 KB pages.
 """
 
 from __future__ import annotations
+
+import math
+import mmap
 
 import torch
 
@@ -46,7 +53,7 @@ class KVPool:
         self.device = torch.device(device)
         shape = (num_layers, 2, 1, num_kv_heads, num_blocks * block_size, head_dim)
         # one allocation for everything, so swap/copy of a block touches one tensor
-        self.storage = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.storage = allocate_pool(shape, dtype, self.device)
 
     @property
     def num_slots(self) -> int:
@@ -97,6 +104,29 @@ class KVPool:
     def _block_slots(self, blocks: list[int]) -> torch.Tensor:
         ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
         return (ids[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
+
+
+_HUGE_PAGE = 2 << 20
+
+
+def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zero-filled tensor for KV storage.
+
+    On the CPU (from 2 MB up) it is an anonymous ``mmap``: the OS hands out zeroed memory
+    page by page as it is first written (vAttention's demand paging: the pool's size is a
+    reservation, not an allocation), and ``MADV_HUGEPAGE`` asks for 2 MB pages where
+    transparent huge pages are enabled (``madvise`` or ``always``; a no-op otherwise).
+    """
+    device = torch.device(device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes < _HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # anonymous and private (a shared mapping would be shmem, which gets no huge pages): zero-filled,
+    # committed on first touch
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
 
 def write_kv(
