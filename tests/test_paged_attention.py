@@ -247,6 +247,29 @@ def test_compiled_kernel_never_reads_past_a_sequence_end_in_its_last_key_block()
     torch.testing.assert_close(after, before, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("tables", "seq_lens", "one_owner"), [
+    ([[4, 5, 6, 0], [8, 9, 0, 0]], [40, 20], True),  # each row in its own run of 4 pages
+    ([[4, 5, 6, 0], [4, 9, 0, 0]], [40, 20], False),  # page 4 shared (a common prefix)
+    ([[4, 5, 0, 0], [6, 0, 0, 0]], [20, 10], False),  # two rows' pages in run 1
+    ([[4, 5, 0, 0], [8, 6, 0, 0]], [20, 10], True),  # row 1's page 6 lies past its length: not in use
+])
+def test_one_owner_per_block_tells_whether_the_mask_needs_its_ownership_check(tables, seq_lens, one_owner):
+    batch = build_paged_batch(torch.tensor(tables, dtype=torch.int32), torch.tensor(seq_lens), torch.tensor([1, 1]),
+                              page_size=PAGE_SIZE, num_pages=NUM_PAGES, recipe=causal(), pages_per_block=RUN)
+    assert batch.one_owner_per_block is one_owner
+
+
+@pytest.mark.parametrize("spec", [PREFILL_ONLY, MIXED], ids=str)
+def test_compiled_kernel_without_the_ownership_check_matches_reference(spec: BatchSpec):
+    """Private runs (no shared prefix) let the compiled mask skip the ownership check; a shared
+    prefix keeps it. Either way free slots in a listed block hold garbage and stay invisible."""
+    step = PagedCase(spec, FP32_GQA_D64, causal(), page_size=PAGE_SIZE, num_pages=NUM_PAGES, width=TABLE_WIDTH,
+                     pages_per_block=RUN)
+    assert step.batch.one_owner_per_block is (not spec.shared_prefix)
+    err = rel_err(step.run(compile=True), step.reference())
+    assert err < FP32_GQA_D64.tol, f"{spec}: relative error {err:.2e}"
+
+
 def test_kernel_block_is_full_only_when_one_row_owns_every_page():
     """Row 0 owns run 1 (pages 4-7) outright and is past it: one full block. Row 1 shares
     row 0's first two pages and continues in run 2: run 1 holds pages it does not own, so

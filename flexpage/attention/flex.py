@@ -14,13 +14,15 @@ the query head, ``page_to_logical`` the logical position of a physical slot.
 Compilation: ``_group_attention`` is wrapped once by ``torch.compile`` (``dynamic=True``)
 at module level of :class:`FlexRunner`; the recipe, page size, query block and kernel
 options are Python constants, so the compiled variants a run can trigger are bounded by
-(dtype, head dims, recipe) x {decode, prefill}, plus the 0/1 specialisations Dynamo makes
-for a group with one row. ``FlexRunner(compile=False)`` runs the same program eagerly
+(dtype, head dims, recipe) x {decode, prefill} x {mask with or without the ownership check:
+see ``PagedBatch.one_owner_per_block``}, plus the 0/1 specialisations Dynamo makes for a
+group with one row. ``FlexRunner(compile=False)`` runs the same program eagerly
 (it materialises scores: for debugging only).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -51,6 +53,7 @@ def _group_attention(
     pages_per_block: int,
     q_block: int,
     heads_per_kv: int,
+    check_owner: bool,
     scale: float | None,
     kernel_options: dict | None,
 ) -> Tensor:
@@ -66,8 +69,11 @@ def _group_attention(
             page, offset = kv_idx >> page_shift, kv_idx & (page_size - 1)
         logical_page = page_to_logical[page]
         kv_pos = logical_page * page_size + offset
-        # the compiled kernel only visits pages listed for row b; eager mode visits all
-        owned = (logical_page >= 0) & (block_table[b, logical_page.clamp(min=0)] == page)
+        # the compiled kernel only visits key blocks listed for row b, where other rows' pages
+        # sit only if a block holds several sequences' pages; eager mode visits every slot
+        owned = logical_page >= 0
+        if check_owner:
+            owned = owned & (block_table[b, logical_page.clamp(min=0)] == page)
         valid = owned & (kv_pos < seq_len[b])
         # recipes may index tables by position: keep positions in range even where masked
         last = (seq_len[b] - 1).clamp(min=0)
@@ -112,20 +118,25 @@ def _group_attention(
 _inductor_fix.apply()
 _cpu_template_tuning.apply()
 
-def call_compiled(fn: Callable[..., Tensor], *args: object) -> Tensor:
-    """Call a shared compiled attention function, raising Dynamo's recompile limits if needed.
+def raised_compile_limits() -> contextlib.AbstractContextManager:
+    """Dynamo's recompile limits raised for flexpage's shared compiled attention, as a context manager.
 
     One code object serves every recipe, dtype, head geometry and group kind of every model
-    in the process (a serving run needs 6 per recipe, see docs/architecture.md): above
-    Dynamo's default of 8, after which ``fullgraph=True`` fails hard. The limits only matter
-    when Dynamo compiles a new variant, so they are raised then, for that call (Dynamo's
-    config is per thread and a user's own compiled code keeps its limits); patching them
-    around every call cost ~40 us, 1.2 ms per 30-layer step.
+    in the process (a serving run needs 6-12 per recipe, see docs/architecture.md): above
+    Dynamo's default of 8, after which ``fullgraph=True`` fails hard. Dynamo's config is per
+    thread, so a user's own compiled code keeps its limits. The engine enters this once per
+    step (around the model's forward); patching it around every layer's call cost ~40 us.
     """
+    return torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=8192)
+
+
+def call_compiled(fn: Callable[..., Tensor], *args: object) -> Tensor:
+    """Call a shared compiled attention function; if Dynamo's recompile limit stops it (a
+    caller outside :func:`raised_compile_limits`, e.g. the HF backend), retry with it raised."""
     try:
         return fn(*args)
     except torch._dynamo.exc.FailOnRecompileLimitHit:
-        with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=8192):
+        with raised_compile_limits():
             return fn(*args)
 
 _compiled_group_attention = torch.compile(_group_attention, dynamic=False, fullgraph=True)
@@ -194,7 +205,7 @@ class FlexRunner:
             fn, q_group, k_pool, v_pool, group.kv_num_blocks, group.kv_indices,
             group.full_kv_num_blocks, group.full_kv_indices, group.row_seq, group.block_table, group.q_start,
             group.seq_len, group.page_to_logical, self.recipe, batch.page_size, batch.pages_per_block,
-            group.q_block, g, self.scale, self.kernel_options,
+            group.q_block, g, not (self.compile and batch.one_owner_per_block), self.scale, self.kernel_options,
         )
         return o.view(rows, kv_heads, q_len, g, dim).permute(0, 2, 1, 3, 4).reshape(rows * q_len, heads, dim)
 

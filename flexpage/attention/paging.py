@@ -84,6 +84,10 @@ class PagedBatch:
     num_pages: int
     pages_per_block: int  # the kernel's key block is this many aligned pages
     groups: tuple[AttentionGroup, ...]
+    #: every kernel key block holding pages in use holds one sequence's pages only (no shared
+    #: prefix pages, no two sequences in one run): a listed block then holds no other row's
+    #: pages, and the compiled kernel's mask can skip its ownership check
+    one_owner_per_block: bool
     positions: Tensor  # [num_tokens] int64, logical position of every new token
     slots: Tensor  # [num_tokens] int64, pool slot each new token's K/V is written to
 
@@ -135,6 +139,7 @@ def build_paged_batch(
     num_tokens = int(query_lens_n.sum())
     positions, slots = _positions_and_slots(tables, seq_lens_n, query_lens_n, page_size)
     page_to_logical = torch.from_numpy(_page_to_logical(tables, seq_lens_n, page_size, num_pages))
+    one_owner = _one_owner_per_block(tables, seq_lens_n, page_size, pages_per_block, num_pages)
     is_decode = query_lens_n == 1
     threads = torch.get_num_threads() if num_threads is None else num_threads
     groups = []
@@ -152,7 +157,7 @@ def build_paged_batch(
                 pages_per_block=pages_per_block, recipe=recipe, bucket=bucket,
             )
         )
-    return PagedBatch(num_tokens, page_size, num_pages, pages_per_block, tuple(groups),
+    return PagedBatch(num_tokens, page_size, num_pages, pages_per_block, tuple(groups), one_owner,
                       torch.from_numpy(positions), torch.from_numpy(slots))
 
 
@@ -282,6 +287,24 @@ def _page_to_logical(tables: np.ndarray, seq_lens: np.ndarray, page_size: int, n
             f"{int(table[page])}; a shared page must hold the same positions in every sequence"
         )
     return table
+
+
+def _one_owner_per_block(
+    tables: np.ndarray, seq_lens: np.ndarray, page_size: int, pages_per_block: int, num_pages: int,
+) -> bool:
+    """Whether each kernel key block's in-use pages all belong to one sequence.
+
+    Each in-use (sequence, page) entry writes its sequence into its block's slot; if any
+    entry then reads back another sequence, two sequences share a block (a shared prefix
+    page counts: two sequences hold it). O(table entries), no sort.
+    """
+    num_seqs, width = tables.shape
+    in_use = (np.arange(width)[None, :] < ((seq_lens + page_size - 1) // page_size)[:, None]) & (tables != 0)
+    blocks = tables[in_use] // pages_per_block
+    seqs = np.broadcast_to(np.arange(num_seqs)[:, None], (num_seqs, width))[in_use]
+    owner = np.full(-(-num_pages // pages_per_block), -1, dtype=np.int64)
+    owner[blocks] = seqs
+    return bool((owner[blocks] == seqs).all())
 
 
 def _build_group(

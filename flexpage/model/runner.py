@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from flexpage.attention.flex import FlexRunner
+from flexpage.attention.flex import FlexRunner, raised_compile_limits
 from flexpage.attention.hf_backend import recipe_for
 from flexpage.attention.kv_pool import KVPool
 from flexpage.attention.paging import PagedBatch, build_paged_batch, next_power_of_two, token_positions
@@ -203,13 +203,14 @@ class ModelRunner:
         positions = torch.from_numpy(token_positions(np.asarray(inputs.seq_lens, dtype=np.int64),
                                                      np.asarray(inputs.query_lens, dtype=np.int64)))
         self.current_step = step
-        out = self.model(
-            input_ids=torch.tensor(inputs.token_ids)[None],
-            position_ids=positions[None],
-            use_cache=False,
-            logits_to_keep=torch.tensor(inputs.sample_rows, dtype=torch.long),
-            flexpage_step=step,
-        )
+        with raised_compile_limits():  # once per step, not per layer (see flexpage.attention.flex)
+            out = self.model(
+                input_ids=torch.tensor(inputs.token_ids)[None],
+                position_ids=positions[None],
+                use_cache=False,
+                logits_to_keep=torch.tensor(inputs.sample_rows, dtype=torch.long),
+                flexpage_step=step,
+            )
         self.current_step = None
         return out.logits[0].float()
 

@@ -148,7 +148,8 @@ def _warmup(engine: Any) -> float:
 
     The compiled kernel specialises on the prefill query block and on one-row groups, so
     every length bucket runs once alone and once as a pair (each also decodes a token alone
-    and in a pair). Compiled code is cached on disk (inductor), so later starts are quicker.
+    and in a pair), with and without a shared prefix. Compiled code is cached on disk
+    (inductor), so later starts are quicker.
     """
     from flexpage.sampling_params import SamplingParams
 
@@ -159,6 +160,25 @@ def _warmup(engine: Any) -> float:
         for i, length in enumerate(lengths):
             engine.add_request({"prompt_token_ids": [10 + (7 * b + 3 * i + j) % 1000 for j in range(length)]}, params,
                                f"warmup-{b}-{i}")
+        while engine.has_unfinished_requests():
+            engine.step()
+    # Requests sharing a cached prefix block compile the kernels whose mask keeps its ownership
+    # check (flexpage.attention.paging.PagedBatch.one_owner_per_block): for each length bucket, a
+    # prefill joining a decoding request (one row each) and two prefills together (two rows).
+    shared = [2000 + j for j in range(engine.config.block_size)]
+    engine.add_request({"prompt_token_ids": [*shared, 1]}, params, "warmup-prefix")
+    while engine.has_unfinished_requests():
+        engine.step()
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    for n in _WARMUP_LENGTHS:
+        suffixes = [[3000 + 100 * i + j for j in range(n)] for i in range(4)]
+        engine.add_request({"prompt_token_ids": shared + suffixes[0]}, params, f"warmup-shared-{n}-0")
+        engine.step()
+        engine.add_request({"prompt_token_ids": shared + suffixes[1]}, params, f"warmup-shared-{n}-1")
+        while engine.has_unfinished_requests():
+            engine.step()
+        for i in (2, 3):
+            engine.add_request({"prompt_token_ids": shared + suffixes[i]}, params, f"warmup-shared-{n}-{i}")
         while engine.has_unfinished_requests():
             engine.step()
     engine.block_manager.reset_prefix_cache()
