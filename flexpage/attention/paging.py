@@ -138,8 +138,10 @@ def build_paged_batch(
     starts = np.cumsum(query_lens_n) - query_lens_n
     num_tokens = int(query_lens_n.sum())
     positions, slots = _positions_and_slots(tables, seq_lens_n, query_lens_n, page_size)
-    page_to_logical = torch.from_numpy(_page_to_logical(tables, seq_lens_n, page_size, num_pages))
-    one_owner = _one_owner_per_block(tables, seq_lens_n, page_size, pages_per_block, num_pages)
+    width = tables.shape[1]
+    in_use = (np.arange(width)[None, :] < ((seq_lens_n + page_size - 1) // page_size)[:, None]) & (tables != 0)
+    page_to_logical = torch.from_numpy(_page_to_logical(tables, in_use, num_pages))
+    one_owner = _one_owner_per_block(tables, in_use, pages_per_block, num_pages)
     is_decode = query_lens_n == 1
     threads = torch.get_num_threads() if num_threads is None else num_threads
     groups = []
@@ -263,8 +265,9 @@ def _positions_and_slots(
     return positions, pages * page_size + positions % page_size
 
 
-def _page_to_logical(tables: np.ndarray, seq_lens: np.ndarray, page_size: int, num_pages: int) -> np.ndarray:
-    """Logical page index of every physical page in use: ``[num_pages]`` int32.
+def _page_to_logical(tables: np.ndarray, in_use: np.ndarray, num_pages: int) -> np.ndarray:
+    """Logical page index of every physical page in use (``in_use``: ``[S, J]`` table entries
+    within their sequence's length, not null): ``[num_pages]`` int32.
 
     One table serves all rows because a physical page sits at the same logical index in
     every sequence that holds it (prefix sharing and copy-on-write share whole prefixes).
@@ -275,7 +278,7 @@ def _page_to_logical(tables: np.ndarray, seq_lens: np.ndarray, page_size: int, n
     """
     num_seqs, width = tables.shape
     logical = np.broadcast_to(np.arange(width, dtype=np.int32), (num_seqs, width)).ravel()
-    in_use = ((np.arange(width)[None, :] < ((seq_lens + page_size - 1) // page_size)[:, None]) & (tables != 0)).ravel()
+    in_use = in_use.ravel()
     pages = tables.ravel()[in_use]
     table = np.full(num_pages, -1, dtype=np.int32)
     table[pages] = logical[in_use]
@@ -289,9 +292,7 @@ def _page_to_logical(tables: np.ndarray, seq_lens: np.ndarray, page_size: int, n
     return table
 
 
-def _one_owner_per_block(
-    tables: np.ndarray, seq_lens: np.ndarray, page_size: int, pages_per_block: int, num_pages: int,
-) -> bool:
+def _one_owner_per_block(tables: np.ndarray, in_use: np.ndarray, pages_per_block: int, num_pages: int) -> bool:
     """Whether each kernel key block's in-use pages all belong to one sequence.
 
     Each in-use (sequence, page) entry writes its sequence into its block's slot; if any
@@ -299,7 +300,6 @@ def _one_owner_per_block(
     page counts: two sequences hold it). O(table entries), no sort.
     """
     num_seqs, width = tables.shape
-    in_use = (np.arange(width)[None, :] < ((seq_lens + page_size - 1) // page_size)[:, None]) & (tables != 0)
     blocks = tables[in_use] // pages_per_block
     seqs = np.broadcast_to(np.arange(num_seqs)[:, None], (num_seqs, width))[in_use]
     owner = np.full(-(-num_pages // pages_per_block), -1, dtype=np.int64)
