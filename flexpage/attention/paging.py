@@ -272,9 +272,9 @@ def _page_to_logical(tables: np.ndarray, in_use: np.ndarray, num_pages: int) -> 
     One table serves all rows because a physical page sits at the same logical index in
     every sequence that holds it (prefix sharing and copy-on-write share whole prefixes).
     Pages no row uses map to -1, and so does the null page 0 (padding, and pages a
-    sliding-window group released: never a logical page of anyone). The mask still checks
-    that a page belongs to the row (the compiled kernel only visits listed pages anyway;
-    eager mode visits every slot).
+    sliding-window group released: never a logical page of anyone). So the mask also checks
+    that a page belongs to the row, wherever a key block holds several sequences' pages
+    (see ``PagedBatch.one_owner_per_block``) and always in eager mode, which visits every slot.
     """
     num_seqs, width = tables.shape
     logical = np.broadcast_to(np.arange(width, dtype=np.int32), (num_seqs, width)).ravel()
