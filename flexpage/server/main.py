@@ -171,7 +171,8 @@ def _warmup(engine: Any) -> float:
         engine.step()
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     for n in _WARMUP_LENGTHS:
-        suffixes = [[3000 + 100 * i + j for j in range(n)] for i in range(4)]
+        # distinct per (length, request): a suffix must not hit blocks an earlier length cached
+        suffixes = [[3000 + 200 * (4 * n + i) + j for j in range(n)] for i in range(4)]
         engine.add_request({"prompt_token_ids": shared + suffixes[0]}, params, f"warmup-shared-{n}-0")
         engine.step()
         engine.add_request({"prompt_token_ids": shared + suffixes[1]}, params, f"warmup-shared-{n}-1")
