@@ -50,7 +50,6 @@ class ServeSettings:
 
 def run_server(settings: ServeSettings) -> int:
     """Blocking: serve until a signal; returns the exit code."""
-    _raise_recompile_limit()  # before flexpage.attention creates its torch.compile wrappers
     import uvicorn
     from rich.console import Console
 
@@ -87,7 +86,7 @@ def run_server(settings: ServeSettings) -> int:
 
     try:
         with console.status("loading the model" + (" and compiling attention kernels" if settings.warmup else "")):
-            engine_loop = EngineLoop.build(build_engine, thread_init=_raise_recompile_limit)
+            engine_loop = EngineLoop.build(build_engine)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted during start-up[/yellow]")
         return 130
@@ -121,23 +120,6 @@ def run_server(settings: ServeSettings) -> int:
     return 0
 
 
-def _raise_recompile_limit(limit: int = 256) -> None:
-    """Let the compiled attention specialise for more batch shapes than Dynamo's default 8.
-
-    A server sees many (rows, query length) combinations; past ``recompile_limit`` a
-    ``fullgraph=True`` function fails hard (``FailOnRecompileLimitHit``) instead of falling
-    back, which would fail every request of that step. Dynamo's config is per thread, so
-    this runs in the engine thread, before the engine is built and warmed up.
-    """
-    import torch._dynamo
-
-    config = torch._dynamo.config
-    if hasattr(config, "recompile_limit"):
-        config.recompile_limit = max(config.recompile_limit, limit)
-    if hasattr(config, "accumulated_recompile_limit"):
-        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8 * limit)
-
-
 #: Prompt lengths whose prefill lands in each query-block bucket of the paged attention
 #: (q_block 2, 4, 8, 16, 32 with one query block, and 32 with several).
 _WARMUP_LENGTHS = (2, 3, 5, 9, 17, 33)
@@ -160,15 +142,13 @@ def _warmup(engine: Any) -> float:
         for i, length in enumerate(lengths):
             engine.add_request({"prompt_token_ids": [10 + (7 * b + 3 * i + j) % 1000 for j in range(length)]}, params,
                                f"warmup-{b}-{i}")
-        while engine.has_unfinished_requests():
-            engine.step()
+        _run_to_completion(engine)
     # Requests sharing a cached prefix block compile the kernels whose mask keeps its ownership
     # check (flexpage.attention.paging.PagedBatch.one_owner_per_block): for each length bucket, a
     # prefill joining a decoding request (one row each) and two prefills together (two rows).
     shared = [2000 + j for j in range(engine.config.block_size)]
     engine.add_request({"prompt_token_ids": [*shared, 1]}, params, "warmup-prefix")
-    while engine.has_unfinished_requests():
-        engine.step()
+    _run_to_completion(engine)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     for n in _WARMUP_LENGTHS:
         # distinct per (length, request): a suffix must not hit blocks an earlier length cached
@@ -176,14 +156,17 @@ def _warmup(engine: Any) -> float:
         engine.add_request({"prompt_token_ids": shared + suffixes[0]}, params, f"warmup-shared-{n}-0")
         engine.step()
         engine.add_request({"prompt_token_ids": shared + suffixes[1]}, params, f"warmup-shared-{n}-1")
-        while engine.has_unfinished_requests():
-            engine.step()
+        _run_to_completion(engine)
         for i in (2, 3):
             engine.add_request({"prompt_token_ids": shared + suffixes[i]}, params, f"warmup-shared-{n}-{i}")
-        while engine.has_unfinished_requests():
-            engine.step()
+        _run_to_completion(engine)
     engine.block_manager.reset_prefix_cache()
     return time.perf_counter() - start
+
+
+def _run_to_completion(engine: Any) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str, load_s: float,
