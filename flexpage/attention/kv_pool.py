@@ -118,7 +118,7 @@ def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     transparent huge pages are enabled (``madvise`` or ``always``; a no-op otherwise).
     """
     device = torch.device(device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes < _HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype, device=device)
     # anonymous and private (a shared mapping would be shmem, which gets no huge pages): zero-filled,

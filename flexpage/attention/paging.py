@@ -155,8 +155,8 @@ def build_paged_batch(
         groups.append(
             _build_group(
                 rows, tables, seq_lens_n, query_lens_n, starts, page_to_logical,
-                num_tokens=num_tokens, num_pages=num_pages, page_size=page_size, q_block=q_block,
-                pages_per_block=pages_per_block, recipe=recipe, bucket=bucket,
+                num_rows=num_rows, num_tokens=num_tokens, num_pages=num_pages, page_size=page_size,
+                q_block=q_block, pages_per_block=pages_per_block, recipe=recipe, bucket=bucket,
             )
         )
     return PagedBatch(num_tokens, page_size, num_pages, pages_per_block, tuple(groups), one_owner,
@@ -315,6 +315,7 @@ def _build_group(
     starts: np.ndarray,
     page_to_logical: Tensor,
     *,
+    num_rows: int,  # rows padded to (a power of two when bucketing)
     num_tokens: int,
     num_pages: int,
     page_size: int,
@@ -325,7 +326,6 @@ def _build_group(
 ) -> AttentionGroup:
     n = rows.size
     max_q = int(query_lens[rows].max())
-    num_rows = next_power_of_two(n) if bucket else n
     q_len = next_power_of_two(max_q) if bucket else max_q
     # a fixed query block per group (short chunks are padded up to it): a changing block
     # size would be one more compiled kernel each time
