@@ -285,6 +285,13 @@ def test_kernel_block_is_full_only_when_one_row_owns_every_page():
     assert sorted(decode.kv_indices[1, 0, 0, :2].tolist()) == [1, 2]
 
 
+@pytest.mark.parametrize("num_threads", [0, -1, 1.5])
+def test_num_threads_must_be_a_positive_int(num_threads):
+    with pytest.raises(ValueError, match=rf"num_threads: got {num_threads}, expected None or a positive int"):
+        build_paged_batch(torch.tensor([[1]], dtype=torch.int32), torch.tensor([3]), torch.tensor([1]),
+                          page_size=PAGE_SIZE, num_pages=NUM_PAGES, recipe=causal(), num_threads=num_threads)
+
+
 def test_pool_must_hold_whole_kernel_blocks():
     with pytest.raises(ValueError, match=r"num_pages: got 46, expected a multiple of pages_per_block=4"):
         build_paged_batch(torch.tensor([[1]], dtype=torch.int32), torch.tensor([3]), torch.tensor([1]),

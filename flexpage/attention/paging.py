@@ -126,6 +126,8 @@ def build_paged_batch(
     """
     check_arg(isinstance(pages_per_block, int) and pages_per_block >= 1, "pages_per_block", pages_per_block,
               "a positive int")
+    check_arg(num_threads is None or (isinstance(num_threads, int) and num_threads >= 1), "num_threads", num_threads,
+              "None or a positive int")
     check_arg(num_pages % pages_per_block == 0, "num_pages", num_pages,
               f"a multiple of pages_per_block={pages_per_block}")
     block_tables, seq_lens, query_lens = _check_inputs(block_tables, seq_lens, query_lens, page_size, num_pages,
