@@ -40,6 +40,10 @@ def parse_size(text: str | int) -> int:
     return int(float(number) * scale)
 
 
+#: ``EngineConfig.model_impl`` values (vLLM's ``--model-impl``)
+MODEL_IMPLS = ("auto", "flexpage", "transformers")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """What the engine is built with. ``None`` fields are derived from the model and machine."""
@@ -61,6 +65,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     compile: bool = True
+    # how layers around attention run: "flexpage" (compact Llama-family forward),
+    # "transformers" (HF's modules), "auto" (compact where the model has one); see ModelRunner
+    model_impl: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -82,6 +89,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory: got {self.kv_cache_memory!r}, expected a positive size")
         if parse_size(self.swap_space) < 0:
             raise ValueError(f"swap_space: got {self.swap_space!r}, expected a size >= 0")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl: got {self.model_impl!r}, expected one of {MODEL_IMPLS}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode: got {self.preemption_mode!r}, expected 'recompute' or 'swap'")
 

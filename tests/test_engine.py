@@ -128,6 +128,15 @@ def test_tiny_model_greedy_matches_hf(kind, tiny_model, llm_factory, hf_referenc
         assert out.prompt_token_ids == prompt and out.finished
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_tiny_model_greedy_matches_hf_through_hf_modules(kind, tiny_model, llm_factory, hf_reference):
+    """``model_impl="transformers"``: HF's own layers around the paged attention (the path every
+    non-Llama-family model takes) give the same tokens as the compact forward and as HF."""
+    llm = llm_factory(tiny_model(kind), model_impl="transformers")
+    assert llm.engine.runner.compact is None
+    assert tokens_of(llm.generate(as_inputs(PROMPTS), GREEDY)) == hf_reference(kind)
+
+
 @pytest.mark.parametrize(
     ("kind", "disabled"),
     [("mistral", {"sliding_window": 10_000}), ("gemma2", {"sliding_window": 10_000}),

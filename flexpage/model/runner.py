@@ -1,11 +1,21 @@
 """The model runner: one forward pass over a flat token batch with paged KV.
 
-HF transformers' own modules compute everything but attention (embeddings, RoPE, MLPs,
-norms: whatever the architecture needs); their attention call lands in
-:func:`paged_attention_forward` (registered as ``attn_implementation="flexpage_paged"``),
-which writes the new K/V into the pool and runs the paged FlexAttention program. The
-per-step state travels as an explicit keyword argument (``flexpage_step``) through HF's
-``**kwargs`` plumbing -- no globals, so a sharded runner per process needs no rewrite.
+Two ways to run the layers around attention (``model_impl``, as in vLLM):
+
+* ``"flexpage"``: Llama-family models (Llama, Mistral, Qwen2, Qwen3) run through
+  :class:`~flexpage.model.compact.CompactDecoder`, the same arithmetic as HF's modules with
+  fused projections and far fewer ops (SmolLM2's batch-64 decode step: see
+  docs/throughput-benchmark.md);
+* ``"transformers"``: HF's own modules compute everything but attention (embeddings,
+  RoPE, MLPs, norms: whatever the architecture needs); their attention call lands in
+  :func:`paged_attention_forward` (registered as ``attn_implementation="flexpage_paged"``).
+  The per-step state travels as an explicit keyword argument (``flexpage_step``) through
+  HF's ``**kwargs`` plumbing.
+
+``"auto"`` (the default) takes the compact path where it exists. Either way the attention
+call writes the new K/V into the pool and runs the paged FlexAttention program, and the
+step's state is passed explicitly -- no globals, so a sharded runner per process needs no
+rewrite.
 
 The batch is flat: ``input_ids [1, T]`` holds every scheduled token of every sequence,
 ``position_ids [1, T]`` their logical positions; only the rows that sample a token go
@@ -34,7 +44,9 @@ from flexpage.attention.hf_backend import recipe_for
 from flexpage.attention.kv_pool import KVPool
 from flexpage.attention.paging import PagedBatch, build_paged_batch, next_power_of_two, token_positions
 from flexpage.attention.recipe import Recipe
+from flexpage.config import MODEL_IMPLS
 from flexpage.core.layer_groups import LayerGroup, layer_windows, plan_layer_groups
+from flexpage.model.compact import CompactDecoder, supports
 
 IMPLEMENTATION_NAME = "flexpage_paged"
 
@@ -143,7 +155,12 @@ class ModelRunner:
     """Owns the model and the KV pool of one process; turns StepInputs into logits."""
 
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int, compile: bool = True,
-                 num_host_blocks: int = 0, blocks_per_attention_block: int = 1) -> None:
+                 num_host_blocks: int = 0, blocks_per_attention_block: int = 1, model_impl: str = "auto") -> None:
+        if model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl: got {model_impl!r}, expected one of {MODEL_IMPLS}")
+        if model_impl == "flexpage" and not supports(model):
+            raise ValueError(f"model_impl: 'flexpage' has no compact forward for model_type="
+                             f"{model.config.model_type!r}; use 'auto' or 'transformers'")
         register()
         config = model.config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -155,6 +172,8 @@ class ModelRunner:
         if config.model_type == "bloom":
             _route_bloom_attention(model, self)
         self.dtype = next(model.parameters()).dtype
+        self.compact = CompactDecoder(model) if model_impl != "transformers" and supports(model) else None
+        self._layer_recipes = [recipe_for(window, None) for window in layer_windows(text_config)]
         self.blocks_per_attention_block = blocks_per_attention_block
         self.layer_groups = layer_groups_of(config)
         self._layer_group = [0] * text_config.num_hidden_layers
@@ -202,16 +221,19 @@ class ModelRunner:
         )
         positions = torch.from_numpy(token_positions(np.asarray(inputs.seq_lens, dtype=np.int64),
                                                      np.asarray(inputs.query_lens, dtype=np.int64)))
-        self.current_step = step
+        token_ids = torch.tensor(inputs.token_ids)
+        sample_rows = torch.tensor(inputs.sample_rows, dtype=torch.long)
         with raised_compile_limits():  # once per step, not per layer (see flexpage.attention.flex)
-            out = self.model(
-                input_ids=torch.tensor(inputs.token_ids)[None],
-                position_ids=positions[None],
-                use_cache=False,
-                logits_to_keep=torch.tensor(inputs.sample_rows, dtype=torch.long),
-                flexpage_step=step,
-            )
-        self.current_step = None
+            if self.compact is not None:
+                compact = self.compact
+                return compact.forward(token_ids, positions, sample_rows, lambda layer, q, k, v: _attend(
+                    step, layer, self._layer_recipes[layer], compact.scale, q, k, v)).float()
+            self.current_step = step
+            try:
+                out = self.model(input_ids=token_ids[None], position_ids=positions[None], use_cache=False,
+                                 logits_to_keep=sample_rows, flexpage_step=step)
+            finally:
+                self.current_step = None
         return out.logits[0].float()
 
     def apply_block_moves(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],

@@ -1,0 +1,122 @@
+"""The compact Llama-family forward (``model_impl="flexpage"``) and its pre-packed linears.
+
+* ``CompactDecoder`` computes what HF's own modules compute: the same logits for every
+  position of a prompt (fp32: to rounding; bf16: the same greedy tokens), for Llama,
+  Mistral, Qwen2 (q/k/v biases) and Qwen3 (q/k norms).
+* ``PackedLinear`` is bit-identical to ``F.linear``, packed or not.
+* The engine takes the compact path where it exists ("auto"), HF's modules otherwise or
+  on request, and names a wrong ``model_impl``. (Greedy equality with HF generate through
+  the engine on both paths: tests/test_engine.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_models import load_reference, random_prompts
+from flexpage.config import EngineConfig
+from flexpage.model.compact import CompactDecoder, supports
+from flexpage.model.packed_linear import PackedLinear, can_prepack
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+LLAMA_FAMILY = ["llama", "mistral", "qwen2", "qwen3"]
+PROMPT = random_prompts([40], seed=3)[0]
+
+
+def dense_attend(scale: float):
+    """Causal attention over one whole prompt (no paging): the compact forward's ``attend``."""
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             is_causal=True, scale=scale, enable_gqa=True)
+        return out.transpose(0, 1)
+
+    return attend
+
+
+def compact_logits(model: torch.nn.Module, prompt: list[int], *, prepack: bool = True) -> torch.Tensor:
+    decoder = CompactDecoder(model, prepack=prepack)
+    ids = torch.tensor(prompt)
+    return decoder.forward(ids, torch.arange(len(prompt)), torch.arange(len(prompt)), dense_attend(decoder.scale))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_compact_forward_gives_hf_logits_in_float32(kind, tiny_model):
+    """Every position's logits; Mistral's window is longer than nothing here, so it is covered in the engine tests."""
+    model = load_reference(tiny_model(kind))
+    with torch.no_grad():
+        expected = model(torch.tensor([PROMPT])).logits[0]
+    got = compact_logits(model, PROMPT)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_compact_forward_in_bfloat16_gives_hf_greedy_tokens(kind, tiny_model):
+    """bf16 with packed weights (where oneDNN runs bf16): the same argmax at every position and
+    logits within bf16 rounding of HF's own bf16 forward."""
+    model = load_reference(tiny_model(kind)).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = model(torch.tensor([PROMPT])).logits[0].float()
+    got = compact_logits(model, PROMPT).float()
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.95
+    assert (got - expected).norm() / expected.norm() < 2e-2
+
+
+def test_packed_decoder_releases_the_hf_weights_it_took(tiny_model):
+    model = load_reference(tiny_model("llama")).to(torch.bfloat16)
+    decoder = CompactDecoder(model)
+    attn = model.model.layers[0].self_attn
+    if not decoder.layers[0].qkv.packed:
+        pytest.skip("this CPU's oneDNN has no bf16 kernels: nothing is packed")
+    assert attn.q_proj.weight.is_meta and attn.v_proj.weight.is_meta and model.model.layers[0].mlp.down_proj.weight.is_meta
+    assert not model.model.embed_tokens.weight.is_meta  # still read by the embedding lookup
+
+
+def test_unpacked_decoder_shares_the_hf_weights():
+    """float32 is not packed: the HF projections become views of the fused weight, nothing is copied twice."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config).eval()
+    decoder = CompactDecoder(model)
+    attn = model.model.layers[0].self_attn
+    assert not decoder.layers[0].qkv.packed
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == decoder.layers[0].qkv.weight.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_packed_linear_is_bit_identical_to_f_linear(dtype, rows):
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(96, 48, dtype=dtype), torch.randn(96, dtype=dtype)
+    x = torch.randn(rows, 48, dtype=dtype)
+    linear = PackedLinear(weight, bias)
+    assert linear.packed == can_prepack(weight)
+    assert torch.equal(linear(x), F.linear(x, weight, bias))
+    assert torch.equal(linear(x.t().contiguous().t()), F.linear(x, weight, bias))  # non-contiguous input
+
+
+@pytest.mark.parametrize(("kind", "expected"), [(k, True) for k in LLAMA_FAMILY] + [("gemma2", False), ("bloom", False)])
+def test_supports_the_llama_family_only(kind, expected, tiny_model):
+    assert supports(load_reference(tiny_model(kind))) is expected
+
+
+@pytest.mark.parametrize(("kind", "impl", "compact"), [("llama", "auto", True), ("llama", "transformers", False),
+                                                       ("gemma2", "auto", False)])
+def test_engine_picks_the_model_impl(kind, impl, compact, tiny_model, llm_factory):
+    llm = llm_factory(tiny_model(kind), model_impl=impl)
+    assert (llm.engine.runner.compact is not None) is compact
+
+
+def test_model_impl_flexpage_without_a_compact_forward_is_a_value_error(tiny_model, llm_factory):
+    with pytest.raises(ValueError, match="model_impl: 'flexpage' has no compact forward for model_type='gemma2'"):
+        llm_factory(tiny_model("gemma2"), model_impl="flexpage")
+
+
+def test_unknown_model_impl_is_a_value_error():
+    with pytest.raises(ValueError, match="model_impl: got 'vllm', expected one of"):
+        EngineConfig(model_impl="vllm")
