@@ -10,6 +10,9 @@ from typing import Optional
 
 import typer
 
+MODEL_IMPL_HELP = ("auto | flexpage | transformers: the compact forward (Llama, Mistral, Qwen2/3) or HF's modules "
+                   "around the paged attention; auto = compact where the model has one.")
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Paged FlexAttention LLM engine and server.")
 
 
@@ -36,6 +39,7 @@ def generate(
     num_blocks: Optional[int] = typer.Option(None),
     kv_cache_memory: str = typer.Option("1GiB"),
     eager: bool = typer.Option(False, help="Run attention without torch.compile (debugging)."),
+    model_impl: str = typer.Option("auto", help=MODEL_IMPL_HELP),
 ) -> None:
     """Generate completions for PROMPTS and print them with a summary."""
     from rich.console import Console
@@ -54,7 +58,7 @@ def generate(
         with console.status("loading model"):
             llm = LLM(model, dtype=dtype, block_size=block_size, attention_block_size=attention_block_size,
                       num_blocks=num_blocks,
-                      kv_cache_memory=kv_cache_memory, compile=not eager)
+                      kv_cache_memory=kv_cache_memory, compile=not eager, model_impl=model_impl)
     except ValueError as error:
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2) from error
@@ -112,6 +116,7 @@ def serve(
     max_num_batched_tokens: int = typer.Option(1024, help="Tokens computed per step (chunked-prefill budget)."),
     dtype: str = typer.Option("auto", help="auto | bfloat16 | float16 | float32."),
     eager: bool = typer.Option(False, help="Run attention without torch.compile (no compile wait; slow, debugging)."),
+    model_impl: str = typer.Option("auto", help=MODEL_IMPL_HELP),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable KV reuse across requests."),
     swap_space: str = typer.Option("0", help="Host memory for preemption by swapping, e.g. 1GiB."),
     preemption_mode: str = typer.Option("recompute", help="recompute | swap (needs --swap-space)."),
@@ -135,6 +140,7 @@ def serve(
         kv_cache_memory=kv_cache_memory or "1GiB",
         num_blocks=num_blocks,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, eager=eager,
+        model_impl=model_impl,
         enable_prefix_caching=not no_prefix_caching, swap_space=swap_space, preemption_mode=preemption_mode,
         seed=seed, max_request_body=max_request_body, drain_timeout=drain_timeout, warmup=warmup,
         log_level=log_level,

@@ -99,8 +99,10 @@ def test_bad_prompt_exits_with_a_message(tiny):
         (["--num-blocks", "1"], "num_blocks"),
         (["--kv-cache-memory", "lots"], "kv_cache_memory"),
         (["--model", "/no/such/model/folder"], "does not exist"),
+        (["--model-impl", "vllm"], "model_impl"),
     ],
-    ids=["unknown-dtype", "block-size-zero", "num-blocks-one", "kv-cache-memory-not-a-size", "missing-model"],
+    ids=["unknown-dtype", "block-size-zero", "num-blocks-one", "kv-cache-memory-not-a-size", "missing-model",
+         "unknown-model-impl"],
 )
 def test_bad_engine_options_exit_with_a_message(option, message, tiny):
     """Engine options are checked when the engine is built; the error must still reach the user as a message."""
@@ -112,7 +114,7 @@ def test_bad_engine_options_exit_with_a_message(option, message, tiny):
 
 
 def test_cli_and_server_defaults_match_the_engine_config():
-    """The CLI repeats the engine's block-size defaults as literals (``--help`` stays import-free)."""
+    """The CLI repeats the engine's block-size and model-impl defaults as literals (``--help`` stays import-free)."""
     import typer.main
 
     from flexpage.config import EngineConfig
@@ -124,5 +126,7 @@ def test_cli_and_server_defaults_match_the_engine_config():
         defaults = {p.name: p.default for p in click_command.params}
         assert defaults["block_size"] == engine.block_size, command
         assert defaults["attention_block_size"] == engine.attention_block_size, command
-    assert (ServeSettings().block_size, ServeSettings().attention_block_size) == (
-        engine.block_size, engine.attention_block_size)
+        assert defaults["model_impl"] == engine.model_impl, command
+    settings = ServeSettings()
+    assert (settings.block_size, settings.attention_block_size, settings.model_impl) == (
+        engine.block_size, engine.attention_block_size, engine.model_impl)

@@ -20,6 +20,7 @@ through HF's modules; :func:`supports` says which path a model takes.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -85,6 +86,7 @@ class CompactDecoder:
             _release(head)
         self.rotary = base.rotary_emb
         self.layers = [self._take(layer, prepack) for layer in base.layers]
+        _return_freed_memory()
 
     @staticmethod
     def _take(layer: torch.nn.Module, prepack: bool) -> _Layer:
@@ -149,6 +151,16 @@ def _fused(prepack: bool, *linears: torch.nn.Linear) -> PackedLinear:
         if linear.bias is not None and not fused.packed:
             linear.bias = torch.nn.Parameter(bias[rows], requires_grad=False)
     return fused
+
+
+def _return_freed_memory() -> None:
+    """Hand the released HF weights' memory back to the OS (glibc keeps freed heap memory for
+    reuse, so without this the process's RSS stays ~one model copy higher: 946 vs 725 MB for
+    SmolLM2-135M bf16). A no-op where the C library has no ``malloc_trim``."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
 
 
 def _release(linear: torch.nn.Linear) -> None:

@@ -38,6 +38,7 @@ class ServeSettings:
     max_num_batched_tokens: int = 1024
     dtype: str = "auto"
     eager: bool = False
+    model_impl: str = "auto"
     enable_prefix_caching: bool = True
     swap_space: str = "0"
     preemption_mode: str = "recompute"
@@ -72,7 +73,8 @@ def run_server(settings: ServeSettings) -> int:
         kv_cache_memory=settings.kv_cache_memory, swap_space=settings.swap_space,
         max_model_len=settings.max_model_len, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, enable_prefix_caching=settings.enable_prefix_caching,
-        preemption_mode=settings.preemption_mode, compile=not settings.eager, seed=settings.seed,
+        preemption_mode=settings.preemption_mode, compile=not settings.eager, model_impl=settings.model_impl,
+        seed=settings.seed,
     )
     timings = {"load": 0.0, "warm-up": 0.0}
 
@@ -190,6 +192,8 @@ def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str
     table.add_row("prefix caching", "on" if engine.config.enable_prefix_caching else "off")
     table.add_row("attention", "torch.compile (FlexAttention kernels)" if engine.runner.compile
                   else "eager (no torch.compile)")
+    table.add_row("layers", "flexpage compact forward (fused, pre-packed projections)" if engine.runner.compact
+                  else "HF transformers modules")
     table.add_row("API key", "required" if settings.api_key else "none (open)")
     table.add_row("startup", f"load {load_s:.1f} s, warm-up {warm_s:.1f} s")
     console.print(Panel(table, title="[bold]flexpage serve[/bold]", subtitle="Ctrl-C drains and stops",
