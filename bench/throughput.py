@@ -235,7 +235,14 @@ def plot(results: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.bar([label for _, label in methods], [results[k]["tokens_per_s"] for k, _ in methods],
              color=["tab:blue", "tab:orange", "tab:gray", "tab:cyan"][: len(methods)])
+    left.tick_params(axis="x", labelsize=8)
     left.set_ylabel("output tokens / s")
+    if "hf_generate_batch" in results:
+        left.axhline(10 * results["hf_generate_batch"]["tokens_per_s"], color="tab:red", linestyle="--",
+                     linewidth=1, label="10x generate_batch (target)")
+    left.axhline(results["workload_matmul_roofline"]["tokens_per_s"], color="tab:olive", linestyle=":",
+                 linewidth=1.5, label="this workload's matmuls alone (packed)")
+    left.legend(fontsize=8)
     left.set_title(f"{results['workload']['num_prompts']} ShareGPT-like prompts, bf16")
     decode = results["decode_batch64"]
     bars = [("flexpage", "flexpage", "tab:blue"), ("flexpage_hf_modules", "flexpage,\nHF modules", "tab:cyan"),
@@ -245,6 +252,7 @@ def plot(results: dict, path: Path) -> None:
               color=[c for _, _, c in bars])
     right.axhline(decode["matmul_only"]["tokens_per_s"] / 2, color="k", linestyle="--", linewidth=1,
                   label="50% of eager matmuls (target)")
+    right.tick_params(axis="x", labelsize=8)
     right.set_ylabel("output tokens / s")
     right.set_title(f"decode at batch 64: {decode['flexpage']['fraction_of_matmul_only']:.0%} of matmul-only")
     right.legend()
