@@ -9,7 +9,7 @@ template cuts what a visit costs beyond reading the block:
   masks the unfilled slots afterwards;
 - no per-block heap allocation of index buffers, no identity score mod (a copy of the score
   tile onto itself), no linear search to tell partial from full blocks (partial ones are
-  listed first).
+  listed first), no pool-sized K/V packing buffers per call unless the kernel packs.
 
 For the small query blocks of bf16/fp16 decode (one token's ``G`` packed query heads: 1-8
 rows) two more choices cost more than the attention itself (``perf`` of a batch-64 GQA
@@ -42,13 +42,21 @@ from typing import Any, NamedTuple
 import torch
 
 TUNED_OPTION = "FLEXPAGE_TUNED_CPU_TEMPLATE"
-TUNING_VERSION = 5  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype
+TUNING_VERSION = 6  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
+# 6: no K/V packing buffers unless packing
 _MAX_BLOCK_M = 8
 _STOCK_PV_BRANCH = "          if (!std::is_same_v<scalar_t, at::Half>) {\n            at::native::cpublas::brgemm("
 _TUNED_PV_BRANCH = "          if (false) {  // flexpage: P@V through the micro-gemm\n            at::native::cpublas::brgemm("
 
 # Text edits of the stock template (each must match exactly once, else nothing is tuned).
 _LEAN_EDITS = (
+    # The buffers for VNNI-packed K and V span the whole pool (kvSize = every slot: 2 x 512 MB for the
+    # attention benchmark's float32 pool) but are used only when packing; allocating them anyway cost
+    # the benchmark's batch-8 64-2000 float32 decode call 0.92 -> 0.60 ms (warm caches, same process).
+    ("""  {{template.codegen_allocate_buffer("key_reorder_ptr", "scalar_t", "batchSize_k*num_head_k*eheadSize*kvSize")}}
+  {{template.codegen_allocate_buffer("value_reorder_ptr", "scalar_t", "batchSize_k*num_head_k*kv_padding_size*headSize_v")}}""",
+     """  {{template.codegen_allocate_buffer("key_reorder_ptr", "scalar_t", "(need_pack ? batchSize_k*num_head_k*eheadSize*kvSize : 0)")}}
+  {{template.codegen_allocate_buffer("value_reorder_ptr", "scalar_t", "(need_pack ? batchSize_k*num_head_k*kv_padding_size*headSize_v : 0)")}}"""),
     ("""        // TODO: reduce the number of calls of q_idx and kv_idx initialization
         std::vector<int64_t> q_idx(cur_qSplitSize);""",
      """        // flexpage: index buffers kept per thread, not allocated per key block
