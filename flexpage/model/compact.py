@@ -47,6 +47,7 @@ def supports(model: torch.nn.Module) -> bool:
         getattr(config, "model_type", None) in _LLAMA_FAMILY
         and getattr(config, "hidden_act", None) == "silu"
         and not getattr(config, "pretraining_tp", 1) > 1
+        and getattr(config, "partial_rotary_factor", 1.0) == 1.0
         and hasattr(getattr(model, "model", None), "rotary_emb")
     )
 

@@ -173,7 +173,8 @@ class ModelRunner:
             _route_bloom_attention(model, self)
         self.dtype = next(model.parameters()).dtype
         self.compact = CompactDecoder(model) if model_impl != "transformers" and supports(model) else None
-        self._layer_recipes = [recipe_for(window, None) for window in layer_windows(text_config)]
+        # the compact forward's recipe per layer (HF's modules pass their window with each call)
+        self._layer_recipes = [recipe_for(window, None) for window in layer_windows(text_config)] if self.compact else []
         self.blocks_per_attention_block = blocks_per_attention_block
         self.layer_groups = layer_groups_of(config)
         self._layer_group = [0] * text_config.num_hidden_layers
@@ -225,9 +226,12 @@ class ModelRunner:
         sample_rows = torch.tensor(inputs.sample_rows, dtype=torch.long)
         with raised_compile_limits():  # once per step, not per layer (see flexpage.attention.flex)
             if self.compact is not None:
-                compact = self.compact
-                return compact.forward(token_ids, positions, sample_rows, lambda layer, q, k, v: _attend(
-                    step, layer, self._layer_recipes[layer], compact.scale, q, k, v)).float()
+                scale, recipes = self.compact.scale, self._layer_recipes
+
+                def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+                    return _attend(step, layer, recipes[layer], scale, q, k, v)
+
+                return self.compact.forward(token_ids, positions, sample_rows, attend).float()
             self.current_step = step
             try:
                 out = self.model(input_ids=token_ids[None], position_ids=positions[None], use_cache=False,
