@@ -10,8 +10,9 @@ This forward runs the same arithmetic over the flat token batch with fewer, larg
   the HF modules' projection weights are released (or, unpacked, re-pointed at slices of
   the fused matrices), so no weight is stored twice and the HF layers cannot run after;
 * RoPE applied to queries and keys together, ``x*cos + roll(x, D/2)*sin_signed``: the same
-  products as HF's ``rotate_half`` (negation is exact), so results match HF bit for bit;
-* RMSNorm as HF computes it (float32 statistics, weight applied in the model dtype).
+  products as HF's ``rotate_half`` (negation is exact);
+* RMSNorm as HF computes it (float32 statistics, weight applied in the model dtype), through
+  ``F.rms_norm``'s fused kernel (summation order may differ from HF's in the last bit).
 
 Attention is not done here: ``forward`` calls ``attend(layer, q, k, v)``, which the
 model runner binds to the paged KV pool. Other architectures (Gemma2/3, Bloom...) run
