@@ -29,6 +29,11 @@ from flexpage.sampling_params import SamplingParams
 PromptInput = Union[str, list[int], dict[str, Any]]
 
 
+#: Prompt lengths whose prefill lands in each query-block bucket of the paged attention
+#: (q_block 2, 4, 8, 16, 32 with one query block, and 32 with several).
+_WARMUP_LENGTHS = (2, 3, 5, 9, 17, 33)
+
+
 @dataclass
 class Request:
     """Engine-side state of one request: its samples' sequences, generators and outputs."""
@@ -176,6 +181,50 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def warm_up(self) -> float:
+        """Compile the attention variants a serving run meets, so no request pays for them;
+        returns the seconds it took. Needs an idle engine; leaves it idle with an empty
+        prefix cache (every block back in the pool).
+
+        The compiled kernel specialises on the prefill query block and on one-row groups, so
+        every length bucket runs once alone and once as a pair (each also decodes a token alone
+        and in a pair), with and without a shared prefix. Compiled code is cached on disk
+        (inductor), so later processes are quicker.
+        """
+        if self.requests:
+            raise ValueError(f"warm_up: the engine has {len(self.requests)} unfinished requests; warm up an idle one")
+        start = time.perf_counter()
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        batches = [[n] for n in _WARMUP_LENGTHS] + [[n, n] for n in _WARMUP_LENGTHS] + [[5, 23, 40]]
+        for b, lengths in enumerate(batches):
+            for i, length in enumerate(lengths):
+                self.add_request({"prompt_token_ids": [10 + (7 * b + 3 * i + j) % 1000 for j in range(length)]},
+                                 params, f"warmup-{b}-{i}")
+            self._run_to_completion()
+        # Requests sharing a cached prefix block compile the kernels whose mask keeps its ownership
+        # check (flexpage.attention.paging.PagedBatch.one_owner_per_block): for each length bucket, a
+        # prefill joining a decoding request (one row each) and two prefills together (two rows).
+        shared = [2000 + j for j in range(self.config.block_size)]
+        self.add_request({"prompt_token_ids": [*shared, 1]}, params, "warmup-prefix")
+        self._run_to_completion()
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        for n in _WARMUP_LENGTHS:
+            # distinct per (length, request): a suffix must not hit blocks an earlier length cached
+            suffixes = [[3000 + 200 * (4 * n + i) + j for j in range(n)] for i in range(4)]
+            self.add_request({"prompt_token_ids": shared + suffixes[0]}, params, f"warmup-shared-{n}-0")
+            self.step()
+            self.add_request({"prompt_token_ids": shared + suffixes[1]}, params, f"warmup-shared-{n}-1")
+            self._run_to_completion()
+            for i in (2, 3):
+                self.add_request({"prompt_token_ids": shared + suffixes[i]}, params, f"warmup-shared-{n}-{i}")
+            self._run_to_completion()
+        self.block_manager.reset_prefix_cache()
+        return time.perf_counter() - start
+
+    def _run_to_completion(self) -> None:
+        while self.has_unfinished_requests():
+            self.step()
 
     # -- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

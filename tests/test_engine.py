@@ -485,6 +485,26 @@ def test_prompt_needing_more_blocks_than_the_pool_is_rejected(tiny_model, llm_fa
     assert not engine.has_unfinished_requests() and not engine.scheduler.has_unfinished()
 
 
+def test_warm_up_leaves_the_engine_idle_with_every_block_back(tiny_model, llm_factory):
+    """The server's warm-up (every prefill bucket alone, in pairs, with a shared prefix) ends
+    with no request, no block in use and an empty prefix cache."""
+    engine = llm_factory(tiny_model("llama"), num_blocks=128).engine
+    assert engine.warm_up() > 0
+    stats = engine.block_manager.stats()
+    assert not engine.has_unfinished_requests()
+    assert stats.used == 0 and stats.cached == 0 and stats.free == stats.total - 1, stats  # block 0: the null block
+
+
+def test_warm_up_of_a_busy_engine_is_a_value_error(tiny_model, llm_factory):
+    engine = llm_factory(tiny_model("llama")).engine
+    engine.add_request({"prompt_token_ids": PROMPTS[0]}, GREEDY, "busy")
+    try:
+        with pytest.raises(ValueError, match="warm_up: the engine has 1 unfinished requests"):
+            engine.warm_up()
+    finally:
+        engine.abort("busy")
+
+
 def test_stats_count_tokens_and_requests(tiny_model, llm_factory):
     engine = llm_factory(tiny_model("qwen2")).engine
     before = engine.stats()

@@ -83,7 +83,7 @@ def run_server(settings: ServeSettings) -> int:
         engine = LLMEngine(config)
         timings["load"] = time.perf_counter() - start
         if settings.warmup:
-            timings["warm-up"] = _warmup(engine)
+            timings["warm-up"] = engine.warm_up()
         return engine
 
     try:
@@ -120,55 +120,6 @@ def run_server(settings: ServeSettings) -> int:
         return 1
     console.print("[green]flexpage serve stopped[/green]")
     return 0
-
-
-#: Prompt lengths whose prefill lands in each query-block bucket of the paged attention
-#: (q_block 2, 4, 8, 16, 32 with one query block, and 32 with several).
-_WARMUP_LENGTHS = (2, 3, 5, 9, 17, 33)
-
-
-def _warmup(engine: Any) -> float:
-    """Compile the attention variants before listening, so clients do not pay for them.
-
-    The compiled kernel specialises on the prefill query block and on one-row groups, so
-    every length bucket runs once alone and once as a pair (each also decodes a token alone
-    and in a pair), with and without a shared prefix. Compiled code is cached on disk
-    (inductor), so later starts are quicker.
-    """
-    from flexpage.sampling_params import SamplingParams
-
-    start = time.perf_counter()
-    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    batches = [[n] for n in _WARMUP_LENGTHS] + [[n, n] for n in _WARMUP_LENGTHS] + [[5, 23, 40]]
-    for b, lengths in enumerate(batches):
-        for i, length in enumerate(lengths):
-            engine.add_request({"prompt_token_ids": [10 + (7 * b + 3 * i + j) % 1000 for j in range(length)]}, params,
-                               f"warmup-{b}-{i}")
-        _run_to_completion(engine)
-    # Requests sharing a cached prefix block compile the kernels whose mask keeps its ownership
-    # check (flexpage.attention.paging.PagedBatch.one_owner_per_block): for each length bucket, a
-    # prefill joining a decoding request (one row each) and two prefills together (two rows).
-    shared = [2000 + j for j in range(engine.config.block_size)]
-    engine.add_request({"prompt_token_ids": [*shared, 1]}, params, "warmup-prefix")
-    _run_to_completion(engine)
-    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    for n in _WARMUP_LENGTHS:
-        # distinct per (length, request): a suffix must not hit blocks an earlier length cached
-        suffixes = [[3000 + 200 * (4 * n + i) + j for j in range(n)] for i in range(4)]
-        engine.add_request({"prompt_token_ids": shared + suffixes[0]}, params, f"warmup-shared-{n}-0")
-        engine.step()
-        engine.add_request({"prompt_token_ids": shared + suffixes[1]}, params, f"warmup-shared-{n}-1")
-        _run_to_completion(engine)
-        for i in (2, 3):
-            engine.add_request({"prompt_token_ids": shared + suffixes[i]}, params, f"warmup-shared-{n}-{i}")
-        _run_to_completion(engine)
-    engine.block_manager.reset_prefix_cache()
-    return time.perf_counter() - start
-
-
-def _run_to_completion(engine: Any) -> None:
-    while engine.has_unfinished_requests():
-        engine.step()
 
 
 def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str, load_s: float,
