@@ -130,13 +130,10 @@ def build_paged_batch(
               "None or a positive int")
     check_arg(num_pages % pages_per_block == 0, "num_pages", num_pages,
               f"a multiple of pages_per_block={pages_per_block}")
-    block_tables, seq_lens, query_lens = _check_inputs(block_tables, seq_lens, query_lens, page_size, num_pages,
-                                                       recipe)
     # the plan is index arithmetic on small host arrays: numpy's per-op cost is a few times
     # lower than torch's, and the results are handed over as tensors without copies
-    tables = block_tables.cpu().numpy().astype(np.int64)
-    seq_lens_n = seq_lens.cpu().numpy().astype(np.int64)
-    query_lens_n = query_lens.cpu().numpy().astype(np.int64)
+    tables, seq_lens_n, query_lens_n = _check_inputs(block_tables, seq_lens, query_lens, page_size, num_pages,
+                                                     recipe)
     starts = np.cumsum(query_lens_n) - query_lens_n
     num_tokens = int(query_lens_n.sum())
     positions, slots = _positions_and_slots(tables, seq_lens_n, query_lens_n, page_size)
@@ -205,50 +202,53 @@ def thread_balanced_order(work: np.ndarray, num_rows: int, num_threads: int) -> 
 def _check_inputs(
     block_tables: Tensor, seq_lens: Tensor, query_lens: Tensor, page_size: int, num_pages: int,
     recipe: Recipe | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Validate the plan's inputs; returns them as int64 numpy arrays (tables, seq_lens, query_lens)."""
     check_arg(block_tables.dim() == 2, "block_tables", tuple(block_tables.shape), "a 2-D [num_seqs, max_pages] tensor")
     num_seqs, width = block_tables.shape
     check_arg(not block_tables.is_floating_point(), "block_tables.dtype", block_tables.dtype, "an integer dtype")
     check_arg(tuple(seq_lens.shape) == (num_seqs,), "seq_lens", tuple(seq_lens.shape), f"shape ({num_seqs},)")
     check_arg(tuple(query_lens.shape) == (num_seqs,), "query_lens", tuple(query_lens.shape), f"shape ({num_seqs},)")
+    tables = block_tables.cpu().numpy().astype(np.int64)
+    seq_lens_n = seq_lens.cpu().numpy().astype(np.int64)
+    query_lens_n = query_lens.cpu().numpy().astype(np.int64)
     if num_seqs == 0:
-        return block_tables, seq_lens, query_lens
-    lo, hi = int(block_tables.min()), int(block_tables.max())
+        return tables, seq_lens_n, query_lens_n
+    lo, hi = int(tables.min()), int(tables.max())
     check_arg(lo >= 0 and hi < num_pages, "block_tables", f"page ids in [{lo}, {hi}]", f"ids in [0, {num_pages - 1}] (pool size {num_pages})")
-    qmin, smax = int(query_lens.min()), int(seq_lens.max())
+    qmin, smax = int(query_lens_n.min()), int(seq_lens_n.max())
     check_arg(qmin >= 1, "query_lens", f"min {qmin}", "at least one new token per sequence")
-    bad = torch.nonzero(query_lens > seq_lens).flatten()
-    check_arg(bad.numel() == 0, "query_lens", _first(query_lens, bad), f"<= seq_lens ({_first(seq_lens, bad)})")
+    bad = np.flatnonzero(query_lens_n > seq_lens_n)
+    check_arg(bad.size == 0, "query_lens", _first(query_lens_n, bad), f"<= seq_lens ({_first(seq_lens_n, bad)})")
     capacity = width * page_size
     check_arg(smax <= capacity, "seq_lens", f"max {smax}", f"<= the {capacity} slots of {width} pages per block table row")
-    needed = (seq_lens.long() + page_size - 1) // page_size
-    used = torch.arange(width)[None, :] < needed[:, None]
-    null_used = torch.nonzero((block_tables == 0) & used)
-    if null_used.numel():
-        rows, pages = null_used[:, 0], null_used[:, 1].long()
-        q_lo = (seq_lens - query_lens).long()[rows]
+    needed = (seq_lens_n + page_size - 1) // page_size
+    null_used = np.argwhere((tables == 0) & (np.arange(width)[None, :] < needed[:, None]))
+    if null_used.size:
+        rows, pages = null_used[:, 0], null_used[:, 1]
+        q_lo = (seq_lens_n - query_lens_n)[rows]
         kv_lo = pages * page_size
         kv_hi = kv_lo + page_size - 1
         # a released page (sliding window) is fine: nobody can see it and nothing is written there
         missing = kv_hi >= q_lo
         if recipe is None:
-            missing = torch.ones_like(missing)
+            missing = np.ones_like(missing)
         else:
-            may, _ = recipe.block_rule(rows, q_lo, seq_lens.long()[rows] - 1, kv_lo, kv_hi)
-            missing = missing | torch.as_tensor(may, dtype=torch.bool).expand_as(missing)
-        bad = torch.nonzero(missing).flatten()
-        if bad.numel():
+            may, _ = recipe.block_rule(*(torch.from_numpy(a) for a in (rows, q_lo, seq_lens_n[rows] - 1, kv_lo, kv_hi)))
+            missing = missing | np.broadcast_to(torch.as_tensor(may, dtype=torch.bool).numpy(), missing.shape)
+        bad = np.flatnonzero(missing)
+        if bad.size:
             row, page = int(rows[bad[0]]), int(pages[bad[0]])
             raise ValueError(
-                f"block_tables: row {row} has seq_lens {int(seq_lens[row])}, which needs {int(needed[row])} pages, "
+                f"block_tables: row {row} has seq_lens {int(seq_lens_n[row])}, which needs {int(needed[row])} pages, "
                 f"but its page {page} is the null page 0 (a sequence longer than its blocks; only pages "
                 "outside every query's window may be released)"
             )
-    return block_tables, seq_lens, query_lens
+    return tables, seq_lens_n, query_lens_n
 
 
-def _first(t: Tensor, idx: Tensor) -> int | None:
-    return int(t[idx[0]]) if idx.numel() else None
+def _first(values: np.ndarray, idx: np.ndarray) -> int | None:
+    return int(values[idx[0]]) if idx.size else None
 
 
 def token_positions(seq_lens: np.ndarray, query_lens: np.ndarray) -> np.ndarray:
