@@ -65,6 +65,23 @@ def test_compact_forward_in_bfloat16_gives_hf_greedy_tokens(kind, tiny_model):
     assert (got - expected).norm() / expected.norm() < 2e-2
 
 
+def test_tied_lm_head_keeps_the_embedding_and_gives_hf_logits():
+    """SmolLM2 ties its LM head to the embedding: the packed head is a copy, the lookup table stays."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).eval().to(torch.bfloat16)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    prompt = [int(t) for t in torch.randint(0, 128, (24,))]
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0].float()
+    got = compact_logits(model, prompt).float()
+    assert not model.model.embed_tokens.weight.is_meta
+    assert (got - expected).norm() / expected.norm() < 2e-2
+
+
 def test_packed_decoder_releases_the_hf_weights_it_took(tiny_model):
     model = load_reference(tiny_model("llama")).to(torch.bfloat16)
     decoder = CompactDecoder(model)
@@ -72,6 +89,7 @@ def test_packed_decoder_releases_the_hf_weights_it_took(tiny_model):
     if not decoder.layers[0].qkv.packed:
         pytest.skip("this CPU's oneDNN has no bf16 kernels: nothing is packed")
     assert attn.q_proj.weight.is_meta and attn.v_proj.weight.is_meta and model.model.layers[0].mlp.down_proj.weight.is_meta
+    assert model.lm_head.weight.is_meta  # untied in the tiny configs: packed like the projections
     assert not model.model.embed_tokens.weight.is_meta  # still read by the embedding lookup
 
 
