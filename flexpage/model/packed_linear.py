@@ -1,9 +1,10 @@
 """Linear layers whose weights are reordered once into oneDNN's blocked layout.
 
 Why: eager ``F.linear`` on a bf16 CPU tensor hands oneDNN a plain row-major weight, which
-it reorders into its AMX tile layout on every call. At decode-sized inputs that reorder
-costs as much as the matmul: on this project's 2-core AMX machine, a 576x3072 projection
-takes 158 us plain vs 47 us pre-packed for one row and ~0.8-0.9x at 64 rows, with
+it reorders into its blocked (AVX512-BF16 / AMX) layout on every call. At decode-sized
+inputs that reorder costs as much as the matmul: on this project's 2-core AVX512-BF16
+machine, a 576x3072 projection takes 158 us plain vs 47 us pre-packed for one row and
+~0.8-0.9x at 64 rows, with
 bit-identical results (the same oneDNN kernel, minus the reorder). Inductor's
 ``freezing`` pass does the same for compiled models; this applies it to eager layers.
 
