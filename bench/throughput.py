@@ -173,18 +173,18 @@ def workload_matmul_seconds(model: torch.nn.Module, step_shapes: list[tuple[int,
     return min(totals)
 
 
-def decode_vs_matmul(engines: dict[str, LLM], model: torch.nn.Module, batch: int = 64, pairs: int = 5,
+def decode_vs_matmul(engines: dict[str, LLM], model: torch.nn.Module, batch: int = 64, num_rounds: int = 5,
                      steps: int = 6) -> dict:
     """Steady decode at ``batch`` sequences of each engine, interleaved with the matmul-only step.
 
-    Each of ``pairs`` rounds times ``steps`` engine steps per engine (median) and ``steps``
+    Each of ``num_rounds`` rounds times ``steps`` engine steps per engine (median) and ``steps``
     matmul-only steps (eager and packed): the machine's load changes within seconds, so
     every ratio is a median over rounds of ratios measured back to back.
     """
     eager, packed = matmul_only_step(model, batch), matmul_only_step(model, batch, packed=True)
-    requests = {name: start_decoding(llm, batch, max_tokens=pairs * steps + 16) for name, llm in engines.items()}
+    requests = {name: start_decoding(llm, batch, max_tokens=num_rounds * steps + 16) for name, llm in engines.items()}
     rounds: dict[str, list[float]] = {name: [] for name in [*engines, "matmul_only", "matmul_only_packed"]}
-    for _ in range(pairs):
+    for _ in range(num_rounds):
         for name, llm in engines.items():
             rounds[name].append(median_ms(llm.engine.step, steps))
         rounds["matmul_only"].append(median_ms(eager, steps))
@@ -192,7 +192,7 @@ def decode_vs_matmul(engines: dict[str, LLM], model: torch.nn.Module, batch: int
     for name, llm in engines.items():
         for request_id in requests[name]:
             llm.engine.abort(request_id)
-    result: dict = {"batch": batch, "context": f"128-{128 + pairs * steps + 8} tokens"}
+    result: dict = {"batch": batch, "context": f"128-{128 + num_rounds * steps + 8} tokens"}
     for name, times in rounds.items():
         ms = statistics.median(times)
         result[name] = {"step_ms_median": ms, "tokens_per_s": batch / ms * 1e3, "step_ms_per_round": times}
