@@ -195,23 +195,26 @@ class LLMEngine:
         if self.requests:
             raise ValueError(f"warm_up: the engine has {len(self.requests)} unfinished requests; warm up an idle one")
         start = time.perf_counter()
+
+        def ids(first: int, count: int) -> list[int]:  # distinct token ids, valid for any vocabulary
+            return [(first + j) % self.vocab_size for j in range(count)]
+
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         batches = [[n] for n in _WARMUP_LENGTHS] + [[n, n] for n in _WARMUP_LENGTHS] + [[5, 23, 40]]
         for b, lengths in enumerate(batches):
             for i, length in enumerate(lengths):
-                self.add_request({"prompt_token_ids": [10 + (7 * b + 3 * i + j) % 1000 for j in range(length)]},
-                                 params, f"warmup-{b}-{i}")
+                self.add_request({"prompt_token_ids": ids(10 + 7 * b + 3 * i, length)}, params, f"warmup-{b}-{i}")
             self._run_to_completion()
         # Requests sharing a cached prefix block compile the kernels whose mask keeps its ownership
         # check (flexpage.attention.paging.PagedBatch.one_owner_per_block): for each length bucket, a
         # prefill joining a decoding request (one row each) and two prefills together (two rows).
-        shared = [2000 + j for j in range(self.config.block_size)]
+        shared = ids(2000, self.config.block_size)
         self.add_request({"prompt_token_ids": [*shared, 1]}, params, "warmup-prefix")
         self._run_to_completion()
         params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
         for n in _WARMUP_LENGTHS:
             # distinct per (length, request): a suffix must not hit blocks an earlier length cached
-            suffixes = [[3000 + 200 * (4 * n + i) + j for j in range(n)] for i in range(4)]
+            suffixes = [ids(3000 + 200 * (4 * n + i), n) for i in range(4)]
             self.add_request({"prompt_token_ids": shared + suffixes[0]}, params, f"warmup-shared-{n}-0")
             self.step()
             self.add_request({"prompt_token_ids": shared + suffixes[1]}, params, f"warmup-shared-{n}-1")

@@ -485,10 +485,13 @@ def test_prompt_needing_more_blocks_than_the_pool_is_rejected(tiny_model, llm_fa
     assert not engine.has_unfinished_requests() and not engine.scheduler.has_unfinished()
 
 
-def test_warm_up_leaves_the_engine_idle_with_every_block_back(tiny_model, llm_factory):
+@pytest.mark.parametrize("vocab_size", [VOCAB_SIZE, 1000], ids=["default-vocab", "small-vocab"])
+def test_warm_up_leaves_the_engine_idle_with_every_block_back(vocab_size, tiny_model, llm_factory):
     """The server's warm-up (every prefill bucket alone, in pairs, with a shared prefix) ends
-    with no request, no block in use and an empty prefix cache."""
-    engine = llm_factory(tiny_model("llama"), num_blocks=128).engine
+    with no request, no block in use and an empty prefix cache -- whatever the vocabulary
+    size (its prompts' token ids must all be valid)."""
+    overrides = {} if vocab_size == VOCAB_SIZE else {"vocab_size": vocab_size}
+    engine = llm_factory(tiny_model("llama", **overrides), num_blocks=128).engine
     assert engine.warm_up() > 0
     stats = engine.block_manager.stats()
     assert not engine.has_unfinished_requests()
