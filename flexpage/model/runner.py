@@ -17,9 +17,10 @@ call writes the new K/V into the pool and runs the paged FlexAttention program, 
 step's state is passed explicitly -- no globals, so a sharded runner per process needs no
 rewrite.
 
-The batch is flat: ``input_ids [1, T]`` holds every scheduled token of every sequence,
-``position_ids [1, T]`` their logical positions; only the rows that sample a token go
-through the LM head (``logits_to_keep``).
+The batch is flat: ``T`` token ids hold every scheduled token of every sequence (HF's
+modules get them as ``input_ids [1, T]``, ``position_ids [1, T]``), with their logical
+positions; only the rows that sample a token go through the LM head (``sample_rows``,
+HF's ``logits_to_keep``).
 
 Layer groups (see :mod:`flexpage.core.layer_groups`): layers are grouped by attention
 kind (full / sliding window) into groups of equal size ``S``; the pool stores ``S`` layers
