@@ -135,9 +135,15 @@ def _fused(prepack: bool, *linears: torch.nn.Linear) -> PackedLinear:
 
     The HF modules give their weights up: packed, their parameters are released (replaced
     by empty meta tensors, so a forgotten HF call fails loudly instead of running on stale
-    weights); unpacked, they become views into the fused weight.
+    weights); unpacked, they become views into the fused weight (a single projection is
+    used as it is).
     """
-    weight = torch.cat([linear.weight for linear in linears]) if len(linears) > 1 else linears[0].weight
+    if len(linears) == 1:
+        fused = PackedLinear(linears[0].weight, linears[0].bias, prepack=prepack)
+        if fused.packed:
+            _release(linears[0])
+        return fused
+    weight = torch.cat([linear.weight for linear in linears])
     biases = [linear.bias for linear in linears]
     bias = None if all(b is None for b in biases) else torch.cat(
         [b if b is not None else weight.new_zeros(linear.out_features) for b, linear in zip(biases, linears)])
@@ -148,9 +154,9 @@ def _fused(prepack: bool, *linears: torch.nn.Linear) -> PackedLinear:
         start += linear.out_features
         if fused.packed:
             _release(linear)
-        elif len(linears) > 1:
-            linear.weight = torch.nn.Parameter(weight[rows], requires_grad=False)
-        if linear.bias is not None and not fused.packed:
+            continue
+        linear.weight = torch.nn.Parameter(weight[rows], requires_grad=False)
+        if linear.bias is not None:
             linear.bias = torch.nn.Parameter(bias[rows], requires_grad=False)
     return fused
 
