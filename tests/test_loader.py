@@ -5,6 +5,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pathlib
+import subprocess
+import sys
 import time
 
 import pytest
@@ -278,16 +280,37 @@ def test_parse_dtype_rejects_unknown(bad: str | torch.dtype) -> None:
     assert "dtype" in message and repr(bad) in message, message
 
 
-def test_default_dtype_follows_hardware(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("capability", "onednn_bf16", "flags", "expected"),
+    [
+        ("AVX512", True, {"avx512f", "avx512_bf16"}, torch.bfloat16),  # AMD EPYC (Zen 4)
+        ("AVX512", True, {"avx512f", "amx_bf16", "amx_tile"}, torch.bfloat16),  # Intel Xeon with AMX
+        ("AVX512", True, {"avx512f"}, torch.float32),  # AVX-512 without bf16 instructions (Skylake)
+        ("AVX2", True, {"avx2", "avx512_bf16"}, torch.float32),  # ATEN_CPU_CAPABILITY=avx2 on a bf16 CPU
+        ("AVX2", False, {"avx2", "fma"}, torch.float32),  # a CPU without AVX-512
+        ("AVX512", False, {"avx512f", "avx512_bf16"}, torch.float32),  # ONEDNN_MAX_CPU_ISA below AVX-512
+        ("DEFAULT", False, set(), torch.float32),
+    ],
+)
+def test_default_dtype_is_bf16_only_where_every_kernel_has_native_bf16(
+    monkeypatch: pytest.MonkeyPatch, capability: str, onednn_bf16: bool, flags: set[str], expected: torch.dtype,
+) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    monkeypatch.setattr(loader, "_cpuinfo_flags", lambda: {"avx2", "fma"})
-    assert default_dtype() is torch.float32
-    monkeypatch.setattr(loader, "_cpuinfo_flags", lambda: {"avx512f", "avx512_bf16"})
-    assert default_dtype() is torch.bfloat16
-    monkeypatch.setattr(loader, "_cpuinfo_flags", set)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AMX")
-    assert default_dtype() is torch.bfloat16
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn_bf16)
+    monkeypatch.setattr(loader, "_cpuinfo_flags", lambda: flags)
+    assert default_dtype() is expected
+
+
+def test_default_dtype_on_gpu_is_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert default_dtype() is torch.bfloat16
+
+
+def test_a_cpu_without_avx512_gets_float32() -> None:
+    """The real check, not a patched one: ATEN_CPU_CAPABILITY=avx2 is how such a CPU looks to PyTorch."""
+    code = "from flexpage.model.loader import default_dtype; print(default_dtype())"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "torch.float32"

@@ -97,10 +97,18 @@ def default_dtype() -> torch.dtype:
 
 
 def _cpu_has_native_bf16() -> bool:
-    """True when the CPU executes bf16 math natively (AMX or AVX512-BF16)."""
-    capability = str(torch.backends.cpu.get_cpu_capability()).upper()
-    if "AMX" in capability:
-        return True
+    """True when every kernel a step runs has native bf16 on this CPU.
+
+    Three things must hold: ATen's (and Inductor's) vector code is AVX-512 (under AVX2 it
+    converts bf16 element by element; ``ATEN_CPU_CAPABILITY=avx2`` simulates such a CPU),
+    oneDNN runs bf16 matmuls (it needs at least AVX-512; ``ONEDNN_MAX_CPU_ISA`` lowers it),
+    and the CPU has bf16 instructions (``avx512_bf16`` or ``amx_bf16``: without them oneDNN
+    emulates bf16 too).
+    """
+    if not str(torch.backends.cpu.get_cpu_capability()).upper().startswith("AVX512"):
+        return False
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return False
     return bool(_BF16_CPU_FLAGS & _cpuinfo_flags())
 
 
