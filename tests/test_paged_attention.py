@@ -196,7 +196,11 @@ def test_tuned_cpu_template_is_used_only_for_flexpage_kernels(monkeypatch: pytes
         assert "flexpage: the mask was evaluated before the gemm" in code
         assert "apply score mod function" not in code  # causal: the score mod is the identity
         assert "std::find(kv_indice_list" not in code
-        assert "allocate((need_pack ? batchSize_k*num_head_k*eheadSize*kvSize : 0)" in code  # no pool-sized buffers
+        # K/V are packed (where the CPU packs at all) for the visited key blocks only, into buffers sized by them
+        assert "flexpage: only the visited key blocks are packed" in code
+        assert "allocate(batchSize_k*num_head_k*packed_k_stride" in code
+        assert "allocate(batchSize_k*num_head_k*packed_v_stride" in code
+        assert "num_head_k * kvSlice" not in code  # the packing loop walks the visited blocks, not the pool
     assert "flexpage: P@V through the micro-gemm" in codes[torch.bfloat16]
     assert "transpose_b_kernel<3, 16" in codes[torch.bfloat16]  # the 3 packed query heads in one register block
     assert "flexpage: P@V through the micro-gemm" not in codes[torch.float32]
