@@ -14,10 +14,9 @@ alternating the order, so machine noise hits all of them alike):
    same data, and ``torch.nn.attention.experimental._paged_attention.PagedAttention`` +
    compiled ``flex_attention`` at page sizes 16/64/128/256 with its default kernel options
    and with a larger ``PARTITION_SIZE``;
-3. paged prefill: flexpage vs causal SDPA on contiguous data;
-4. block-mask build time: ``build_paged_batch`` vs ``create_block_mask`` vs
+3. block-mask build time: ``build_paged_batch`` vs ``create_block_mask`` vs
    ``PagedAttention.convert_logical_block_mask``;
-5. first-compile time of the flexpage decode kernel, in a child process with a fresh,
+4. first-compile time of the flexpage decode kernel, in a child process with a fresh,
    empty ``TORCHINDUCTOR_CACHE_DIR`` (the main process uses the normal, usually warm, cache).
 
 Before any timing, every flexpage output is checked against SDPA on the same data (fp32:
@@ -423,72 +422,6 @@ def run_decode_case(case: DecodeCase, args, ctx: dict) -> dict:
     return row
 
 
-# --------------------------------------------------------------------------- prefill
-
-
-def run_prefill(args, errors: list[str]) -> list[dict]:
-    import torch
-    import torch.nn.functional as F
-    from flexpage.attention.flex import FlexRunner
-    from flexpage.attention.paging import build_paged_batch
-    from flexpage.attention.recipe import CAUSAL
-
-    rows = []
-    dtypes = ("float32",) if args.quick else tuple(args.dtypes or ("float32", "bfloat16"))
-    contexts = (0,) if args.quick else (0, 1024)
-    seqs, new, heads, dim, page = 4, 512, 8, 64, 16
-    for dtype_name in dtypes:
-        dtype = getattr(torch, dtype_name)
-        for cached in contexts:
-            gen = torch.Generator().manual_seed(77 + cached)
-            total = cached + new
-            lens = torch.full((seqs,), total)
-            k = torch.randn(seqs, heads, total, dim, generator=gen).to(dtype)
-            v = torch.randn(seqs, heads, total, dim, generator=gen).to(dtype)
-            q = torch.randn(seqs, heads, new, dim, generator=gen).to(dtype)
-            table, num_pages, page, run = flex_layout_table(engine_layout(dtype_name), lens, gen)
-            k_pool, v_pool = fill_pool(k, v, lens, table, page, num_pages, flexpage_allocator=True)
-            batch = build_paged_batch(table.int(), lens.int(), torch.full((seqs,), new, dtype=torch.int32),
-                                      page_size=page, num_pages=num_pages, recipe=CAUSAL, pages_per_block=run)
-            q_flat = q.transpose(1, 2).reshape(seqs * new, heads, dim).contiguous()
-            runner = FlexRunner(CAUSAL, compile=True)
-            if cached == 0:
-                def sdpa(q=q, k=k, v=v):
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                mask = None
-            else:
-                # bottom-right aligned causal mask: query i sits at position cached + i
-                mask = torch.arange(total)[None, :] <= (cached + torch.arange(new))[:, None]
-
-                def sdpa(q=q, k=k, v=v, mask=mask):
-                    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            ref32 = F.scaled_dot_product_attention(
-                q.float(), k.float(), v.float(), attn_mask=mask, is_causal=mask is None)
-            try:
-                first_ms, out = time_once(lambda: runner(q_flat, k_pool, v_pool, batch))
-            except Exception as error:
-                msg = f"prefill ctx {cached} {dtype_name}: {type(error).__name__}: {str(error).strip().splitlines()[-1][:300]}"
-                errors.append(msg)
-                print(f"  ERROR: flexpage {msg}", flush=True)
-                continue
-            out = out.reshape(seqs, new, heads, dim).transpose(1, 2)
-            err = rel_err(out, ref32)
-            if not err < TOL[dtype_name]:
-                raise SystemExit(f"CORRECTNESS FAILURE: flexpage prefill ({dtype_name}, ctx {cached}): err {err:.3g}")
-            t = time_interleaved({"flex_p16": lambda: runner(q_flat, k_pool, v_pool, batch), "sdpa": sdpa},
-                                 args.prefill_reps, args.warmup)
-            rows.append({
-                "case": f"{seqs}x{new} new, ctx {cached}", "dtype": dtype_name, "seqs": seqs, "new_tokens": new,
-                "cached": cached, "heads": heads, "head_dim": dim, "page": page, "flex_err": err,
-                "sdpa_err": rel_err(sdpa(), ref32), "first_call_ms": first_ms, "timings": t,
-                "flex_ms": t["flex_p16"]["median_ms"], "sdpa_ms": t["sdpa"]["median_ms"],
-                "flex_over_sdpa": t["flex_p16"]["median_ms"] / t["sdpa"]["median_ms"],
-            })
-            print(f"  prefill {rows[-1]['case']:<24} {dtype_name:<8} flex {rows[-1]['flex_ms']:8.2f} ms  "
-                  f"sdpa {rows[-1]['sdpa_ms']:8.2f} ms  ratio {rows[-1]['flex_over_sdpa']:.2f}", flush=True)
-    return rows
-
-
 # --------------------------------------------------------------------------- block masks
 
 
@@ -683,13 +616,6 @@ def render_markdown(header: list[str], body: list[list[str]]) -> str:
 
 def other_tables(results: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
     tables = {}
-    pre = results.get("prefill", [])
-    if pre:
-        tables["prefill"] = (
-            ["case", "dtype", "flex p16 ms", "SDPA ms", "flex/SDPA", "noise"],
-            [[r["case"], r["dtype"], fmt(r["flex_ms"], 2), fmt(r["sdpa_ms"], 2), fmt(r["flex_over_sdpa"], 2),
-              f"{max(v['iqr_rel'] for v in r['timings'].values()) * 100:.0f}%"] for r in pre],
-        )
     bm = results.get("block_masks")
     if bm:
         body = []
@@ -794,8 +720,7 @@ def generated_doc_section(results: dict, args) -> str:
         "methods.",
         "",
     ]
-    for title, key in (("Prefill (4 sequences x 512 new tokens, page 16)", "prefill"),
-                       ("Block-mask / metadata build", "block_masks"),
+    for title, key in (("Block-mask / metadata build", "block_masks"),
                        ("First compile (child process, fresh TORCHINDUCTOR_CACHE_DIR)", "compile")):
         t = other_tables(results).get(key)
         if t:
@@ -919,7 +844,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", default=None, help=f"decode plot PNG (full run default: {DEFAULT_PLOT}; quick: none)")
     p.add_argument("--no-docs", action="store_true", help="write neither the markdown report nor the plot")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per method (default 15, quick 6)")
-    p.add_argument("--prefill-reps", type=int, default=None, help="timed repetitions for prefill (default 10, quick 4)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per method after the first (compile) call")
     p.add_argument("--exp-sweep", choices=("auto", "full"), default="auto",
                    help="experimental PagedAttention configs: 'auto' sweeps all 4 page sizes x 2 partition sizes "
@@ -934,8 +858,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "CPU kernels bake the thread count in, so each count compiles its own kernels")
     p.add_argument("--rows", nargs="*", default=None,
                    help="only decode rows whose name contains one of these strings (e.g. B32 GQA)")
-    p.add_argument("--dtypes", nargs="*", default=None, choices=("float32", "bfloat16"), help="decode/prefill dtypes")
-    p.add_argument("--skip", nargs="*", default=[], choices=("decode", "prefill", "masks", "compile"),
+    p.add_argument("--dtypes", nargs="*", default=None, choices=("float32", "bfloat16"), help="decode dtypes")
+    p.add_argument("--skip", nargs="*", default=[], choices=("decode", "masks", "compile"),
                    help="sections to skip")
     p.add_argument("--compile-probe-quick", action="store_true",
                    help="with --quick, still run the cold-cache first-compile probe (adds ~1 min)")
@@ -955,7 +879,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.doc = args.doc or (DEFAULT_DOC if full else None)
         args.plot = args.plot or (DEFAULT_PLOT if full else None)
     args.reps = args.reps or (15 if full else 6)
-    args.prefill_reps = args.prefill_reps or (10 if full else 4)
     args.flex_pages = tuple(FLEX_LAYOUTS) if full else None  # quick: the engine's fp32 layout, once flexpage is importable
     return args
 
@@ -1029,8 +952,6 @@ def main(argv: list[str] | None = None) -> int:
                   + f"sdpa {row['sdpa_ms']:8.2f}  ratio {fmt(row.get('flex_p16_over_sdpa'), 2)}  "
                   + (f"exp best {eb['ms']:.2f} (p{eb['page']}, ps{eb['partition']})  " if eb else "")
                   + f"floor {row['floor_ms_row_copy']:.2f} ms  [{time.perf_counter() - t0:.0f} s]", flush=True)
-    if "prefill" not in args.skip:
-        results["prefill"] = run_prefill(args, ctx["errors"])
     if "masks" not in args.skip:
         results["block_masks"] = run_block_masks(args)
         bm = results["block_masks"]

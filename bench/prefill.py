@@ -4,6 +4,7 @@ Run from the repository root (the venv active)::
 
     python -m bench.prefill                  # every row, bf16 and fp32: ~3 min warm, ~8 min cold
     python -m bench.prefill --dtypes bfloat16 --reps 5
+    python -m bench.prefill --engine         # also LLM.generate on the default model, both pool sizes
 
 The question: does a prefill through flexpage's paged kernel cost what the same attention
 costs on contiguous tensors, whatever the size of the pool it reads from? Each row is one
@@ -165,6 +166,36 @@ def run_case(case: PrefillCase, dtype_name: str, pools: tuple[int, int], reps: i
     }
 
 
+def run_engine(pools_mib: tuple[int, int], reps: int) -> dict:
+    """The issue's end-to-end view: a 4 x 256-token prefill (max_tokens=1) through ``LLM.generate``
+    on the default model, with a small and a large ``kv_cache_memory``, alternating engines."""
+    import torch
+
+    from flexpage import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(3)
+    engines = {size: LLM(kv_cache_memory=f"{size}MiB") for size in pools_mib}
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    vocab = engines[pools_mib[0]].get_tokenizer().vocab_size
+
+    def prompts() -> list[dict]:  # fresh ids every call: no prefix-cache hits
+        return [{"prompt_token_ids": torch.randint(100, vocab, (256,), generator=gen).tolist()} for _ in range(4)]
+
+    for llm in engines.values():  # compile and warm both
+        for _ in range(2):
+            llm.generate(prompts(), params)
+    samples: dict[int, list[float]] = {size: [] for size in pools_mib}
+    for rep in range(reps):
+        for size in pools_mib if rep % 2 == 0 else pools_mib[::-1]:
+            batch = prompts()
+            t0 = time.perf_counter()
+            engines[size].generate(batch, params)
+            samples[size].append(time.perf_counter() - t0)
+    timings = {f"{size}MiB": summarize(s) for size, s in samples.items()}
+    small, large = (timings[f"{size}MiB"]["median_ms"] for size in pools_mib)
+    return {"case": "LLM.generate 4x256 prefill + 1 token", "timings": timings, "large_over_small_pool": large / small}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtypes", nargs="*", default=["bfloat16", "float32"], choices=("bfloat16", "float32"))
@@ -173,6 +204,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per method after the first")
     p.add_argument("--small-pool-mib", type=int, default=64)
     p.add_argument("--large-pool-mib", type=int, default=4096)
+    p.add_argument("--engine", action="store_true", help="also time a 4x256 prefill through LLM.generate on the "
+                   "default model with both pool sizes (~1 min more)")
     p.add_argument("--out", default=DEFAULT_OUT)
     return p.parse_args(argv)
 
@@ -203,9 +236,15 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"{case.name:<24} {dtype_name:<9} {row['flex_ms']:8.2f} {row['sdpa_ms']:8.2f} "
                   f"{row['flex_over_sdpa']:9.2f} {row['large_over_small_pool']:9.2f}x {row['noise']:6.0%}", flush=True)
+    engine = None
+    if args.engine:
+        engine = run_engine((args.small_pool_mib, args.large_pool_mib), args.reps)
+        t = engine["timings"]
+        print(f"{engine['case']}: " + ", ".join(f"{k} pool {v['median_ms']:.1f} ms" for k, v in t.items())
+              + f" (large/small {engine['large_over_small_pool']:.2f}x)", flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as fh:
-        json.dump({"environment": env, "args": vars(args), "rows": rows}, fh, indent=1)
+        json.dump({"environment": env, "args": vars(args), "rows": rows, "engine": engine}, fh, indent=1)
     print(f"wrote {args.out}")
     return 0
 

@@ -19,12 +19,17 @@ decode call: 28% in MKL's generic bf16 gemm, 22% in the q@k^T micro-gemm):
   MKL gemm call per key block (converting to fp32 inside). The template already has a
   micro-gemm for it (its fp16 path uses it); the tuned template uses it for bf16 too.
 - Its micro-gemms block one query row at a time (``GemmBlocking(1, 16, 1)``), so each key
-  tile is reloaded for every row. The tuned template blocks ``min(query block rows, 8)``
+  tile is reloaded for every row. The tuned template blocks ``min(query block rows, 16)``
   rows, which keeps the whole query block in registers for decode.
 
-Those two give 1.5-3x faster bf16 decode calls; float32 keeps ``brgemm`` and one-row
-blocks (a fast sgemm there; both changes measured slower). Numerics are identical up to
-float summation order (``bench/attention.py``, docs/attention-benchmark.md).
+Those two give 1.5-3x faster bf16 decode calls. float32 decode keeps ``brgemm`` and one-row
+blocks (a fast sgemm there; both changes measured slower); float32 prefill query blocks
+(32 rows) block 16 rows in the q@k^T micro-gemm: 1.4-2x faster prefill calls
+(``bench/prefill.py``). Numerics are identical up to float summation order.
+
+Where the kernel packs K and V into the VNNI layout for its AMX brgemm (bf16/fp16 query
+blocks of 64+ rows on CPUs with AMX), the stock template packs every key block of the pool
+on every call; the tuned one packs only the blocks the call visits.
 
 Only kernels compiled with ``kernel_options={TUNED_OPTION: TUNING_VERSION}`` get the tuned
 template (flexpage always passes it); everything else in the process, including PyTorch's
@@ -42,9 +47,11 @@ from typing import Any, NamedTuple
 import torch
 
 TUNED_OPTION = "FLEXPAGE_TUNED_CPU_TEMPLATE"
-TUNING_VERSION = 7  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
-# 6: no K/V packing buffers unless packing; 7: only the visited key blocks are packed
-_MAX_BLOCK_M = 8
+TUNING_VERSION = 12  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
+# 6: no K/V packing buffers unless packing; 7: only the visited key blocks are packed;
+# 12: float32 prefill micro-gemms block up to 16 rows (8-11: experiments)
+_MAX_BLOCK_M = 16  # float32 prefill: 8 rows 10-15% slower, 32 no faster
+_MIN_FP32_BLOCKED_ROWS = 16  # decode blocks (1-8 packed query heads) keep one-row blocking in float32
 _STOCK_PV_BRANCH = "          if (!std::is_same_v<scalar_t, at::Half>) {\n            at::native::cpublas::brgemm("
 _TUNED_PV_BRANCH = "          if (false) {  // flexpage: P@V through the micro-gemm\n            at::native::cpublas::brgemm("
 
@@ -274,7 +281,7 @@ def apply() -> None:
     stock_micro_gemm_define = template_cls.micro_gemm_define
 
     def micro_gemm_define(self, kernel_name: str) -> str:
-        if not (getattr(self, "flexpage_tuned", False) and _is_reduced(self)):
+        if not (getattr(self, "flexpage_tuned", False) and _rows_blocked(self)):
             return stock_micro_gemm_define(self, kernel_name)
         stock_gemm = cpp_micro_gemm.CppMicroGemmFP32Vec
         block_m = max(1, min(int(self.q_block_size), _MAX_BLOCK_M))
@@ -303,6 +310,12 @@ def _is_reduced(template: Any) -> bool:
     ``cpublas::brgemm`` is a fast sgemm and row blocking does not pay (measured,
     docs/attention-benchmark.md)."""
     return template.input_nodes[0].get_dtype() in (torch.bfloat16, torch.float16)
+
+
+def _rows_blocked(template: Any) -> bool:
+    """Micro-gemms block ``min(query block rows, 8)`` rows: for bf16/fp16, and for float32
+    prefill query blocks (there the stock one-row blocking reloads each key tile per row)."""
+    return _is_reduced(template) or int(template.q_block_size) >= _MIN_FP32_BLOCKED_ROWS
 
 
 def _is_identity(score_mod: Any) -> bool:

@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexpage.attention import _inductor_fix
-from flexpage.attention.flex import call_compiled
+from flexpage.attention.flex import call_compiled, isa_kernel_options
 from flexpage.attention.recipe import Recipe
 
 KV_BLOCK = 128
@@ -75,7 +75,7 @@ def _compact(selected: Tensor) -> tuple[Tensor, Tensor]:
 def _contiguous_attention(
     q: Tensor, k: Tensor, v: Tensor, kv_num_blocks: Tensor, kv_indices: Tensor, full_kv_num_blocks: Tensor,
     full_kv_indices: Tensor, valid: Tensor, shift: Tensor, q_offset: Tensor, kv_offset: Tensor,
-    recipe: Recipe, q_block: int, scale: float | None,
+    recipe: Recipe, q_block: int, scale: float | None, kernel_options: dict,
 ) -> Tensor:
     def positions(b: Tensor, q_idx: Tensor, kv_idx: Tensor) -> tuple[Tensor, Tensor]:
         return q_offset + q_idx - shift[b], kv_offset + kv_idx - shift[b]
@@ -100,7 +100,7 @@ def _contiguous_attention(
         mask_mod=mask_mod, seq_lengths=(q.shape[2], k.shape[2]), compute_q_blocks=False,
     )
     return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                          enable_gqa=q.shape[1] != k.shape[1])
+                          enable_gqa=q.shape[1] != k.shape[1], kernel_options=kernel_options)
 
 
 _inductor_fix.apply()
@@ -128,5 +128,5 @@ def contiguous_attention(
     return call_compiled(
         fn, q, k, v, mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
         layout.valid, layout.shift, torch.tensor(layout.q_offset), torch.tensor(layout.kv_offset),
-        recipe, mask.q_block, scale,
+        recipe, mask.q_block, scale, isa_kernel_options(q.device),
     )

@@ -23,6 +23,7 @@ group with one row. ``FlexRunner(compile=False)`` runs the same program eagerly
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
@@ -108,11 +109,86 @@ def _group_attention(
         seq_lengths=(q.shape[2], k_pool.shape[2]),
         compute_q_blocks=False,
     )
-    options = dict(kernel_options or {})
-    if q.device.type == "cpu":  # the tuned CPU template (see _cpu_template_tuning) is keyed by this option
-        options.setdefault(_cpu_template_tuning.TUNED_OPTION, _cpu_template_tuning.TUNING_VERSION)
     return flex_attention(q, k_pool, v_pool, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                          kernel_options=options)
+                          kernel_options=kernel_options)
+
+
+def _gathered_group_attention(
+    q: Tensor,  # [B, H, L, D]: a strided view of the flat queries
+    k: Tensor,  # [B, H_kv, S, D]: each row's keys gathered in logical order
+    v: Tensor,
+    kv_num_blocks: Tensor,
+    kv_indices: Tensor,
+    full_kv_num_blocks: Tensor,
+    full_kv_indices: Tensor,
+    row_seq: Tensor,
+    q_start: Tensor,
+    seq_len: Tensor,
+    recipe: Recipe,
+    q_block: int,
+    kv_block: int,
+    scale: float | None,
+    kernel_options: dict | None,
+) -> Tensor:
+    """Prefill rows over gathered keys: key index = logical position, so the mask needs no page table."""
+
+    def positions(b: Tensor, q_idx: Tensor, kv_idx: Tensor) -> tuple[Tensor, Tensor]:
+        # recipes may index tables by position: keep positions in range even where masked
+        last = (seq_len[b] - 1).clamp(min=0)
+        return torch.minimum(q_start[b] + q_idx, last), torch.minimum(kv_idx, last)
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        valid = kv_idx < seq_len[b]
+        if recipe.mask_mod is None:
+            return valid
+        q_pos, kv_pos = positions(b, q_idx, kv_idx)
+        return valid & recipe.mask_mod(row_seq[b], h, q_pos, kv_pos)
+
+    score_mod = None
+    if recipe.score_mod is not None:
+        user_score = recipe.score_mod
+
+        def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            q_pos, kv_pos = positions(b, q_idx, kv_idx)
+            return user_score(score, row_seq[b], h, q_pos, kv_pos)
+
+    block_mask = BlockMask.from_kv_blocks(
+        kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, BLOCK_SIZE=(q_block, kv_block),
+        mask_mod=mask_mod, seq_lengths=(q.shape[2], k.shape[2]), compute_q_blocks=False,
+    )
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                          enable_gqa=q.shape[1] != k.shape[1], kernel_options=kernel_options)
+
+
+#: names the CPU vector ISA a kernel is compiled for (see :func:`kernel_options_for`)
+VEC_ISA_OPTION = "FLEXPAGE_CPU_VEC_ISA"
+
+
+@functools.cache
+def _cpu_vec_isa() -> str:
+    from torch._inductor import cpu_vec_isa
+
+    return str(cpu_vec_isa.pick_vec_isa())
+
+
+def isa_kernel_options(device: torch.device) -> dict:
+    """A kernel option naming the CPU vector ISA Inductor compiles for (empty off the CPU).
+
+    Inductor's FX graph cache does not key compiled graphs by ISA, so a kernel compiled under
+    ``ATEN_CPU_CAPABILITY=avx2`` (or on another CPU sharing the cache directory) was loaded
+    by an AVX-512 process and corrupted its heap. As a kernel option the ISA is part of the
+    graph, hence of the cache key. Every compiled flexpage kernel carries it.
+    """
+    return {VEC_ISA_OPTION: _cpu_vec_isa()} if device.type == "cpu" else {}
+
+
+def kernel_options_for(device: torch.device, kernel_options: dict | None) -> dict:
+    """The kernel options of flexpage's paged kernels: the caller's, the ISA, and on the CPU
+    the tuned template (see :mod:`flexpage.attention._cpu_template_tuning`)."""
+    options = {**(kernel_options or {}), **isa_kernel_options(device)}
+    if device.type == "cpu":
+        options.setdefault(_cpu_template_tuning.TUNED_OPTION, _cpu_template_tuning.TUNING_VERSION)
+    return options
 
 
 _inductor_fix.apply()
@@ -140,6 +216,16 @@ def call_compiled(fn: Callable[..., Tensor], *args: object) -> Tensor:
             return fn(*args)
 
 _compiled_group_attention = torch.compile(_group_attention, dynamic=False, fullgraph=True)
+_compiled_gathered_group_attention = torch.compile(_gathered_group_attention, dynamic=False, fullgraph=True)
+
+
+def _mark_dynamic_gathered(q: Tensor, k: Tensor, v: Tensor, group: AttentionGroup) -> None:
+    """Rows, query length and key length vary between steps; heads and head size stay static."""
+    for t, dims in ((q, (0, 2)), (k, (0, 2)), (v, (0, 2)), (group.kv_num_blocks, (0, 2)), (group.kv_indices, (0, 2, 3)),
+                    (group.full_kv_num_blocks, (0, 2)), (group.full_kv_indices, (0, 2, 3)),
+                    (group.row_seq, (0,)), (group.q_start, (0,)), (group.seq_len, (0,))):
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
 def _mark_dynamic_rows(q: Tensor, group: AttentionGroup) -> None:
@@ -179,18 +265,19 @@ class FlexRunner:
         check_arg(q.dtype == k_pool.dtype, "q.dtype", q.dtype, f"the pool dtype {k_pool.dtype}")
         check_arg(k_pool.shape[2] == batch.num_pages * batch.page_size, "k_pool slots", k_pool.shape[2],
                   f"{batch.num_pages} pages x {batch.page_size}")
-        fn = _compiled_group_attention if self.compile else _group_attention
         if len(batch.groups) == 1 and batch.groups[0].covers_batch_in_order:  # e.g. an all-decode step
-            return self._run_group(fn, q, k_pool, v_pool, batch, batch.groups[0])
+            return self._run_group(q, k_pool, v_pool, batch, batch.groups[0])
         out = q.new_empty(q.shape)
         for group in batch.groups:
-            o = self._run_group(fn, q, k_pool, v_pool, batch, group)
+            o = self._run_group(q, k_pool, v_pool, batch, group)
             _scatter_rows(out, o, group)
         return out
 
-    def _run_group(self, fn, q: Tensor, k_pool: Tensor, v_pool: Tensor, batch: PagedBatch,  # noqa: ANN001
-                   group: AttentionGroup) -> Tensor:
+    def _run_group(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, batch: PagedBatch, group: AttentionGroup) -> Tensor:
         """One kernel call for ``group``; returns its output ``[rows * q_len, H, D]`` in padded row order."""
+        if group.kv_slots is not None:
+            return self._run_gathered_group(q, k_pool, v_pool, group)
+        fn = _compiled_group_attention if self.compile else _group_attention
         rows, q_len, heads, dim = group.rows, group.q_len, q.shape[1], q.shape[2]
         kv_heads = k_pool.shape[1]
         g = heads // kv_heads
@@ -205,9 +292,29 @@ class FlexRunner:
             fn, q_group, k_pool, v_pool, group.kv_num_blocks, group.kv_indices,
             group.full_kv_num_blocks, group.full_kv_indices, group.row_seq, group.block_table, group.q_start,
             group.seq_len, group.page_to_logical, self.recipe, batch.page_size, batch.pages_per_block,
-            group.q_block, g, not (self.compile and batch.one_owner_per_block), self.scale, self.kernel_options,
+            group.q_block, g, not (self.compile and batch.one_owner_per_block), self.scale,
+            kernel_options_for(q.device, self.kernel_options),
         )
         return o.view(rows, kv_heads, q_len, g, dim).permute(0, 2, 1, 3, 4).reshape(rows * q_len, heads, dim)
+
+    def _run_gathered_group(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, group: AttentionGroup) -> Tensor:
+        rows, q_len, heads, dim = group.rows, group.q_len, q.shape[1], q.shape[2]
+        kv_heads, kv_len = k_pool.shape[1], group.kv_slots.shape[1]
+        q_rows = q if group.covers_batch_in_order else q.index_select(0, group.gather_index)
+        q_group = q_rows.view(rows, q_len, heads, dim).transpose(1, 2)  # [B, H, L, D], no copy
+        slots = group.kv_slots.view(-1)
+        # [H_kv, B*S, D] -> [B, H_kv, S, D]: each (row, head)'s keys stay contiguous
+        k = k_pool[0].index_select(1, slots).view(kv_heads, rows, kv_len, dim).transpose(0, 1)
+        v = v_pool[0].index_select(1, slots).view(kv_heads, rows, kv_len, dim).transpose(0, 1)
+        fn = _compiled_gathered_group_attention if self.compile else _gathered_group_attention
+        if self.compile:
+            _mark_dynamic_gathered(q_group, k, v, group)
+        o = call_compiled(
+            fn, q_group, k, v, group.kv_num_blocks, group.kv_indices, group.full_kv_num_blocks, group.full_kv_indices,
+            group.row_seq, group.q_start, group.seq_len, self.recipe, group.q_block, group.kv_block, self.scale,
+            kernel_options_for(q.device, self.kernel_options),
+        )
+        return o.transpose(1, 2).reshape(rows * q_len, heads, dim)  # a view where the kernel kept q's layout
 
 
 def _scatter_rows(out: Tensor, o: Tensor, group: AttentionGroup) -> None:
