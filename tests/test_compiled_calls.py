@@ -1,12 +1,23 @@
-"""``call_compiled``: the shared compiled attention functions outgrow Dynamo's default of 8
+"""How flexpage's compiled attention calls are keyed and called.
+
+``call_compiled``: the shared compiled attention functions outgrow Dynamo's default of 8
 variants per code object (under ``fullgraph=True`` a hard failure); the limit is raised
-for the call that compiles a new variant, and only there."""
+for the call that compiles a new variant, and only there.
+
+``kernel_options_for``: the options are part of the compiled graph, hence of Inductor's
+cache key; they name the CPU vector ISA, so kernels compiled for another ISA are never
+loaded from a shared cache."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import torch
 
-from flexpage.attention.flex import call_compiled
+from flexpage.attention import _cpu_template_tuning
+from flexpage.attention.flex import VEC_ISA_OPTION, call_compiled, isa_kernel_options, kernel_options_for
 
 
 def test_more_variants_than_dynamos_default_limit_compile_and_the_limit_stays_put():
@@ -21,3 +32,21 @@ def test_more_variants_than_dynamos_default_limit_compile_and_the_limit_stays_pu
     assert torch._dynamo.config.recompile_limit == limit
     for factor in range(limit + 4):  # every variant is cached: no new compile, no failure
         assert call_compiled(compiled, x, factor)[0] == factor
+
+
+def test_kernel_options_name_the_tuned_template_and_the_vector_isa():
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    options = kernel_options_for(torch.device("cpu"), {"PARTITION_SIZE": 512})
+    assert options == {"PARTITION_SIZE": 512, VEC_ISA_OPTION: str(pick_vec_isa()),
+                       _cpu_template_tuning.TUNED_OPTION: _cpu_template_tuning.TUNING_VERSION}
+    assert isa_kernel_options(torch.device("meta")) == {}
+
+
+def test_a_process_limited_to_avx2_compiles_under_another_key():
+    """``ATEN_CPU_CAPABILITY=avx2`` makes Inductor emit AVX2 code: its kernels must not share
+    a cache entry with this process's (which ran them and corrupted its heap)."""
+    code = "import torch; from flexpage.attention.flex import isa_kernel_options; print(isa_kernel_options(torch.device('cpu')))"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str({VEC_ISA_OPTION: "avx2"})

@@ -47,9 +47,10 @@ from typing import Any, NamedTuple
 import torch
 
 TUNED_OPTION = "FLEXPAGE_TUNED_CPU_TEMPLATE"
-TUNING_VERSION = 12  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
+TUNING_VERSION = 13  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
 # 6: no K/V packing buffers unless packing; 7: only the visited key blocks are packed;
-# 12: float32 prefill micro-gemms block up to 16 rows (8-11: experiments)
+# 12: float32 prefill micro-gemms block up to 16 rows (8-11: experiments);
+# 13: AVX2 kernels never pack and keep stock micro-gemms
 _MAX_BLOCK_M = 16  # float32 prefill: 8 rows 10-15% slower, 32 no faster
 _MIN_FP32_BLOCKED_ROWS = 16  # decode blocks (1-8 packed query heads) keep one-row blocking in float32
 _STOCK_PV_BRANCH = "          if (!std::is_same_v<scalar_t, at::Half>) {\n            at::native::cpublas::brgemm("
@@ -57,6 +58,14 @@ _TUNED_PV_BRANCH = "          if (false) {  // flexpage: P@V through the micro-g
 
 # Text edits of the stock template (each must match exactly once, else nothing is tuned).
 _LEAN_EDITS = (
+    # pack_vnni2 exists only in AVX-512 builds of ATen's vector code, but the stock template asks the CPU
+    # (AMX present?) rather than the ISA it is compiled for: a kernel compiled for AVX2 on an AMX CPU
+    # (ATEN_CPU_CAPABILITY=avx2) failed with "pack_vnni2 is only supported when avx512 is supported"
+    ("""  // Pad is needed for packing when K is not even""",
+     """#if !defined(CPU_CAPABILITY_AVX512)
+  need_pack = false;  // flexpage: VNNI packing needs AVX-512 vector code
+#endif
+  // Pad is needed for packing when K is not even"""),
     # Where the kernel packs K and V for its AMX brgemm (bf16/fp16 query blocks of 64+ rows: prefill),
     # the stock template packs every key block of the pool, on every call, into buffers sized by the
     # pool; the tuned one packs the key blocks the call visits (listed in the block mask), into
@@ -276,7 +285,7 @@ def apply() -> None:
         chosen = stock_choose(self, *args, **kwargs)
         if not getattr(self, "flexpage_tuned", False) or chosen is not stock_template:
             return chosen
-        return reduced_template if _is_reduced(self) else lean_template
+        return reduced_template if _is_reduced(self) and _compiles_avx512() else lean_template
 
     stock_micro_gemm_define = template_cls.micro_gemm_define
 
@@ -313,9 +322,19 @@ def _is_reduced(template: Any) -> bool:
 
 
 def _rows_blocked(template: Any) -> bool:
-    """Micro-gemms block ``min(query block rows, 8)`` rows: for bf16/fp16, and for float32
-    prefill query blocks (there the stock one-row blocking reloads each key tile per row)."""
+    """Micro-gemms block ``min(query block rows, 16)`` rows: for bf16/fp16, and for float32
+    prefill query blocks (there the stock one-row blocking reloads each key tile per row).
+    AVX-512 code only: compiled for AVX2, the row-blocked float32 micro-gemm gave wrong
+    prefill results (relative error 0.1-0.2, any row count from 4), so AVX2 stays stock."""
+    if not _compiles_avx512():
+        return False
     return _is_reduced(template) or int(template.q_block_size) >= _MIN_FP32_BLOCKED_ROWS
+
+
+def _compiles_avx512() -> bool:
+    from torch._inductor.cpu_vec_isa import VecAVX512, pick_vec_isa
+
+    return isinstance(pick_vec_isa(), VecAVX512)
 
 
 def _is_identity(score_mod: Any) -> bool:

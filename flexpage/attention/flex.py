@@ -1,23 +1,29 @@
 """The compiled paged attention call: logical recipe mods wrapped in the paging translation.
 
-``paged_attention`` is the one call a model layer makes: it takes the flat new-token
+:class:`FlexRunner` is the one call a model layer makes: it takes the flat new-token
 queries ``[T, H, D]`` and one layer's pool, and runs one FlexAttention kernel per group of
 a :class:`~flexpage.attention.paging.PagedBatch` (decode rows, prefill rows).
 
-Two layout choices make the CPU kernel fast (it pays per (query block, head, key block)
-visited): query heads that share a kv head are packed into query rows (``[B, H_kv, L*G,
-D]``), so each key block is loaded once per kv head; and a key block is
-``pages_per_block`` aligned pages, which the allocator fills with one sequence's pages.
-The paging-wrapped mods undo both: ``q_idx // G`` is the query token, ``h*G + q_idx % G``
-the query head, ``page_to_logical`` the logical position of a physical slot.
+Decode rows (``_group_attention``) read the pool in place. Two layout choices make the
+CPU kernel fast there (it pays per (query block, head, key block) visited): query heads
+that share a kv head are packed into query rows (``[B, H_kv, L*G, D]``), so each key block
+is loaded once per kv head; and a key block is ``pages_per_block`` aligned pages, which
+the allocator fills with one sequence's pages. The paging-wrapped mods undo both:
+``q_idx // G`` is the query token, ``h*G + q_idx % G`` the query head, ``page_to_logical``
+the logical position of a physical slot.
 
-Compilation: ``_group_attention`` is wrapped once by ``torch.compile`` (``dynamic=True``)
-at module level of :class:`FlexRunner`; the recipe, page size, query block and kernel
-options are Python constants, so the compiled variants a run can trigger are bounded by
-(dtype, head dims, recipe) x {decode, prefill} x {mask with or without the ownership check:
-see ``PagedBatch.one_owner_per_block``}, plus the 0/1 specialisations Dynamo makes for a
-group with one row. ``FlexRunner(compile=False)`` runs the same program eagerly
-(it materialises scores: for debugging only).
+Prefill rows (``_gathered_group_attention``) read a copy of their own keys in logical order
+(``AttentionGroup.kv_slots``), so the mods see logical positions directly: the page-table
+lookup per masked (query, key) pair cost as much as the attention (see paging.py). The
+kernel broadcasts kv heads itself; the queries are a view of the flat batch.
+
+Compilation: both functions are wrapped once by ``torch.compile`` (``dynamic=False``, the
+per-step sizes marked dynamic) at module level; the recipe, page size, block sizes and
+kernel options are Python constants, so the compiled variants a run can trigger are bounded
+by (dtype, head dims, recipe) x {decode x {mask with or without the ownership check: see
+``PagedBatch.one_owner_per_block``}, prefill}, plus the 0/1 specialisations Dynamo makes for
+a group with one row or one query block. ``FlexRunner(compile=False)`` runs the same
+program eagerly (it materialises scores: for debugging only).
 """
 
 from __future__ import annotations
