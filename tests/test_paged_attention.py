@@ -296,10 +296,10 @@ def test_kernel_block_is_full_only_when_one_row_owns_every_page():
 
 def test_prefill_rows_read_their_own_keys_gathered_in_logical_order():
     """Prefill rows (two fresh prompts, one chunk after 300 cached tokens) attend over a copy
-    of their keys in logical order, ``kv_slots[row, pos]`` = the pool slot of position ``pos``
-    (slot 0, the null page, past the row's length), in 128-token key blocks of that copy; a
-    decode row reads the pool in place. Key block 0 of the chunked row is wholly visible to
-    its first query block; the fresh rows' diagonal blocks are partial."""
+    of their keys: each row's positions in order from ``kv_start[row]``, padded to whole
+    128-token key blocks with slot 0 (the null page), rows one after another; key block ids
+    count in that copy. A decode row reads the pool in place. The chunked row's first two key
+    blocks are wholly visible to its query block; the fresh rows' diagonal blocks are partial."""
     tables = torch.zeros(3, 24, dtype=torch.int32)
     tables[0, :2], tables[1, :2] = torch.tensor([3, 4]), torch.tensor([7, 2])
     tables[2, :21] = torch.arange(9, 30)  # 333 tokens: 21 pages
@@ -309,20 +309,26 @@ def test_prefill_rows_read_their_own_keys_gathered_in_logical_order():
     assert prefill.kv_block == 128
     rows = prefill.row_seq[:3].tolist()
     assert sorted(rows) == [0, 1, 2]
-    assert prefill.kv_slots.shape == (4, 384)  # 4 rows (a power of two), 333 tokens in whole 128-token blocks
+    blocks = {0: 1, 1: 1, 2: 3}  # key blocks per sequence
+    expected_start = [0]
+    for seq in rows:
+        expected_start.append(expected_start[-1] + 128 * blocks[seq])
+    assert prefill.kv_start.tolist() == expected_start[:3] + [expected_start[3]]  # the padding row holds nothing
+    assert prefill.kv_slots.shape == (128 * 5,)
     for r, seq in enumerate(rows):
-        length = int(seq_lens[seq])
+        length, start = int(seq_lens[seq]), expected_start[r]
         pos = torch.arange(length)
         expected = tables[seq, pos // PAGE_SIZE].long() * PAGE_SIZE + pos % PAGE_SIZE
-        assert torch.equal(prefill.kv_slots[r, :length], expected)
-        assert not prefill.kv_slots[r, length:].any()
-    assert not prefill.kv_slots[3].any()  # the padding row
-    chunked = rows.index(2)  # queries at 300..332: block 0 (0-127) and 1 (128-255) wholly visible, 2 partly
+        assert torch.equal(prefill.kv_slots[start:start + length], expected)
+        assert not prefill.kv_slots[start + length:expected_start[r + 1]].any()
+    chunked = rows.index(2)  # queries at 300..332: blocks 0 (0-127) and 1 (128-255) wholly visible, 2 partly
+    first = expected_start[chunked] // 128
     assert prefill.full_kv_num_blocks[chunked, 0, 0] == 2 and prefill.kv_num_blocks[chunked, 0, 0] == 1
-    assert prefill.kv_indices[chunked, 0, 0, 0] == 2
-    assert sorted(prefill.full_kv_indices[chunked, 0, 0, :2].tolist()) == [0, 1]
+    assert prefill.kv_indices[chunked, 0, 0, 0] == first + 2
+    assert sorted(prefill.full_kv_indices[chunked, 0, 0, :2].tolist()) == [first, first + 1]
     fresh = rows.index(0)
     assert prefill.full_kv_num_blocks[fresh, 0, 0] == 0 and prefill.kv_num_blocks[fresh, 0, 0] == 1
+    assert prefill.kv_indices[fresh, 0, 0, 0] == expected_start[fresh] // 128
     decode = build_paged_batch(tables, seq_lens, torch.tensor([1, 1, 1]), page_size=PAGE_SIZE, num_pages=NUM_PAGES,
                                recipe=causal()).groups[0]
     assert decode.kv_slots is None and decode.kv_block == PAGE_SIZE
@@ -335,7 +341,7 @@ def test_prefill_plan_does_not_depend_on_the_pool_size():
     seq_lens, query_lens = CHUNKED_PREFILL.tensors()
     plans = [build_paged_batch(step.block_tables, seq_lens, query_lens, page_size=PAGE_SIZE, num_pages=pages,
                                recipe=causal()).groups[0] for pages in (NUM_PAGES, 100 * NUM_PAGES)]
-    for name in ("kv_slots", "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+    for name in ("kv_slots", "kv_start", "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
         assert torch.equal(getattr(plans[0], name), getattr(plans[1], name)), name
 
 

@@ -121,7 +121,7 @@ def _group_attention(
 
 def _gathered_group_attention(
     q: Tensor,  # [B, H, L, D]: a strided view of the flat queries
-    k: Tensor,  # [B, H_kv, S, D]: each row's keys gathered in logical order
+    k: Tensor,  # [1, H_kv, S, D]: each row's keys in logical order from kv_start[row], rows one after another
     v: Tensor,
     kv_num_blocks: Tensor,
     kv_indices: Tensor,
@@ -130,21 +130,24 @@ def _gathered_group_attention(
     row_seq: Tensor,
     q_start: Tensor,
     seq_len: Tensor,
+    kv_start: Tensor,
     recipe: Recipe,
     q_block: int,
     kv_block: int,
     scale: float | None,
     kernel_options: dict | None,
 ) -> Tensor:
-    """Prefill rows over gathered keys: key index = logical position, so the mask needs no page table."""
+    """Prefill rows over gathered keys: logical position = key index - the row's start, so the
+    mask needs no page table (``kv_start[b]`` is one value per row: a scalar in the kernel)."""
 
     def positions(b: Tensor, q_idx: Tensor, kv_idx: Tensor) -> tuple[Tensor, Tensor]:
         # recipes may index tables by position: keep positions in range even where masked
         last = (seq_len[b] - 1).clamp(min=0)
-        return torch.minimum(q_start[b] + q_idx, last), torch.minimum(kv_idx, last)
+        return torch.minimum(q_start[b] + q_idx, last), (kv_idx - kv_start[b]).clamp(min=0).clamp(max=last)
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        valid = kv_idx < seq_len[b]
+        kv_pos = kv_idx - kv_start[b]
+        valid = (kv_pos >= 0) & (kv_pos < seq_len[b])  # the compiled kernel visits the row's blocks only; eager all
         if recipe.mask_mod is None:
             return valid
         q_pos, kv_pos = positions(b, q_idx, kv_idx)
@@ -227,9 +230,9 @@ _compiled_gathered_group_attention = torch.compile(_gathered_group_attention, dy
 
 def _mark_dynamic_gathered(q: Tensor, k: Tensor, v: Tensor, group: AttentionGroup) -> None:
     """Rows, query length and key length vary between steps; heads and head size stay static."""
-    for t, dims in ((q, (0, 2)), (k, (0, 2)), (v, (0, 2)), (group.kv_num_blocks, (0, 2)), (group.kv_indices, (0, 2, 3)),
+    for t, dims in ((q, (0, 2)), (k, (2,)), (v, (2,)), (group.kv_num_blocks, (0, 2)), (group.kv_indices, (0, 2, 3)),
                     (group.full_kv_num_blocks, (0, 2)), (group.full_kv_indices, (0, 2, 3)),
-                    (group.row_seq, (0,)), (group.q_start, (0,)), (group.seq_len, (0,))):
+                    (group.row_seq, (0,)), (group.q_start, (0,)), (group.seq_len, (0,)), (group.kv_start, (0,))):
         for dim in dims:
             torch._dynamo.maybe_mark_dynamic(t, dim)
 
@@ -305,19 +308,17 @@ class FlexRunner:
 
     def _run_gathered_group(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, group: AttentionGroup) -> Tensor:
         rows, q_len, heads, dim = group.rows, group.q_len, q.shape[1], q.shape[2]
-        kv_heads, kv_len = k_pool.shape[1], group.kv_slots.shape[1]
         q_rows = q if group.covers_batch_in_order else q.index_select(0, group.gather_index)
         q_group = q_rows.view(rows, q_len, heads, dim).transpose(1, 2)  # [B, H, L, D], no copy
-        slots = group.kv_slots.view(-1)
-        # [H_kv, B*S, D] -> [B, H_kv, S, D]: each (row, head)'s keys stay contiguous
-        k = k_pool[0].index_select(1, slots).view(kv_heads, rows, kv_len, dim).transpose(0, 1)
-        v = v_pool[0].index_select(1, slots).view(kv_heads, rows, kv_len, dim).transpose(0, 1)
+        k = k_pool[0].index_select(1, group.kv_slots)[None]  # [1, H_kv, S, D]
+        v = v_pool[0].index_select(1, group.kv_slots)[None]
         fn = _compiled_gathered_group_attention if self.compile else _gathered_group_attention
         if self.compile:
             _mark_dynamic_gathered(q_group, k, v, group)
         o = call_compiled(
             fn, q_group, k, v, group.kv_num_blocks, group.kv_indices, group.full_kv_num_blocks, group.full_kv_indices,
-            group.row_seq, group.q_start, group.seq_len, self.recipe, group.q_block, group.kv_block, self.scale,
+            group.row_seq, group.q_start, group.seq_len, group.kv_start, self.recipe, group.q_block, group.kv_block,
+            self.scale,
             kernel_options_for(q.device, self.kernel_options),
         )
         return o.transpose(1, 2).reshape(rows * q_len, heads, dim)  # a view where the kernel kept q's layout
