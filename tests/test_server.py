@@ -179,6 +179,10 @@ def test_health_models_and_auth(server: ServerProcess) -> None:
     assert server.openai().models.list().data[0].id == MODEL
     _assert_error(httpx.get(server.base_url + "/v1/models"), 401, code="invalid_api_key")
     _assert_error(httpx.get(server.base_url + "/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+    basic = httpx.get(server.base_url + "/v1/models", headers={"Authorization": "Basic dXNlcjpwYXNz"})
+    _assert_error(basic, 401, code="invalid_api_key")
+    assert "unsupported authorization scheme 'Basic'" in basic.json()["error"]["message"]
+    assert "missing API key" in httpx.get(server.base_url + "/v1/models").json()["error"]["message"]
     _assert_error(_post(server, "/v1/completions", {"prompt": "x"}, headers={"Authorization": "Bearer nope"}), 401)
     import openai
 
@@ -359,6 +363,9 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", b'{"messages": "hi"}', 400, "messages", None),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', 400,
      "top_logprobs", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, '
+     b'"top_logprobs": 50}', 400, "top_logprobs", "invalid_value"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages.0.role", None),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "model": "x"}', 404, "model",
      "model_not_found"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2000}',

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from flexpage.sampling_params import SamplingParams
+from flexpage.sampling_params import MAX_LOGPROBS, SamplingParams
 from flexpage.server.engine_loop import Accepted, Delta, EngineLoop, Failed, SampleDelta, Sink, _param_of
 from flexpage.server.metrics import CONTENT_TYPE, ServerMetrics
 from flexpage.server.protocol import (
@@ -100,10 +100,15 @@ class Guard:
         state = self.state
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         if state.api_key is not None:
-            auth = headers.get("authorization", "")
-            token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            scheme, _, credential = headers.get("authorization", "").strip().partition(" ")
+            token = credential.strip() if scheme.lower() == "bearer" else ""
             if not hmac.compare_digest(token.encode(), state.api_key.encode()):
-                message = "invalid API key" if token else "missing API key (send 'Authorization: Bearer <key>')"
+                if token:
+                    message = "invalid API key"
+                elif scheme and scheme.lower() != "bearer":
+                    message = f"unsupported authorization scheme {scheme[:20]!r} (send 'Authorization: Bearer <key>')"
+                else:
+                    message = "missing API key (send 'Authorization: Bearer <key>')"
                 await _send_error(send, APIError(401, message, type="authentication_error", code="invalid_api_key",
                                                  headers={"www-authenticate": "Bearer"}))
                 return
@@ -460,6 +465,9 @@ def build_app(state: ServerState) -> Any:
         req: ChatCompletionRequest = _parse(ChatCompletionRequest, await request.body())
         _check_model(state, req.model)
         unsupported_fields(req)
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                           param="top_logprobs", code="invalid_value")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs",
                            code="invalid_value")

@@ -124,7 +124,7 @@ class _TextPart(_Base):
 
 
 class ChatMessage(_Base):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's roles
     content: Optional[Union[str, list[_TextPart]]] = None
     name: Optional[str] = None
 
