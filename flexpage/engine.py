@@ -205,6 +205,9 @@ class LLMEngine:
             for i, length in enumerate(lengths):
                 self.add_request({"prompt_token_ids": ids(10 + 7 * b + 3 * i, length)}, params, f"warmup-{b}-{i}")
             self._run_to_completion()
+            # cached blocks of earlier batches would make sequences share key blocks (the mask's
+            # ownership check): from an empty cache each sequence gets its own runs, as in serving
+            self.block_manager.reset_prefix_cache()
         # Requests sharing a cached prefix block compile the kernels whose mask keeps its ownership
         # check (flexpage.attention.paging.PagedBatch.one_owner_per_block): for each length bucket, a
         # prefill joining a decoding request (one row each) and two prefills together (two rows).

@@ -498,6 +498,26 @@ def test_warm_up_leaves_the_engine_idle_with_every_block_back(vocab_size, tiny_m
     assert stats.used == 0 and stats.cached == 0 and stats.free == stats.total - 1, stats  # block 0: the null block
 
 
+def test_after_warm_up_batched_prompts_of_any_length_compile_nothing(tiny_model, llm_factory):
+    """The server's first batched requests must not pay for a compile (issue 18: a first
+    2-prompt request took 9.6 s): after ``warm_up``, batches of 1-4 prompts of lengths from 1
+    to past the pool's key block, with and without a shared prefix, run compiled kernels only."""
+    from torch._dynamo.utils import counters
+
+    llm = llm_factory(tiny_model("llama"), num_blocks=128, compile=True)
+    llm.engine.warm_up()
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled > 0  # the warm-up compiled (the counter counts what this test is about)
+    gen = torch.Generator().manual_seed(4)
+    shared = torch.randint(5, VOCAB_SIZE, (40,), generator=gen).tolist()
+    for lengths in ([7, 9], [30, 31], [100, 3], [200, 150, 5], [1, 2, 3, 4], [33], [129], [6, 6, 6],
+                    [17, 2, 60, 3, 9], [1], [8, 8, 8, 8, 8, 8, 8, 8]):
+        prompts = [{"prompt_token_ids": torch.randint(5, VOCAB_SIZE, (n,), generator=gen).tolist()} for n in lengths]
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        llm.generate([{"prompt_token_ids": shared + p["prompt_token_ids"]} for p in prompts], GREEDY)
+        assert counters["stats"]["unique_graphs"] == compiled, f"a batch of prompt lengths {lengths} compiled a new variant"
+
+
 def test_warm_up_of_a_busy_engine_is_a_value_error(tiny_model, llm_factory):
     engine = llm_factory(tiny_model("llama")).engine
     engine.add_request({"prompt_token_ids": PROMPTS[0]}, GREEDY, "busy")

@@ -292,7 +292,7 @@ class FlexRunner:
         g = heads // kv_heads
         # pack each kv head's query heads into query rows: [B, L, H_kv, G, D] -> [B, H_kv, L*G, D],
         # so the kernel loads every key block once per kv head rather than once per query head
-        q_rows = q if group.covers_batch_in_order else q.index_select(0, group.gather_index)
+        q_rows = _contiguous_rows(q) if group.covers_batch_in_order else q.index_select(0, group.gather_index)
         q_group = q_rows.reshape(rows, q_len, kv_heads, g, dim).permute(0, 2, 1, 3, 4)
         q_group = q_group.reshape(rows, kv_heads, q_len * g, dim)
         if self.compile:
@@ -308,8 +308,8 @@ class FlexRunner:
 
     def _run_gathered_group(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, group: AttentionGroup) -> Tensor:
         rows, q_len, heads, dim = group.rows, group.q_len, q.shape[1], q.shape[2]
-        q_rows = q if group.covers_batch_in_order else q.index_select(0, group.gather_index)
-        q_group = q_rows.view(rows, q_len, heads, dim).transpose(1, 2)  # [B, H, L, D], no copy
+        q_rows = _contiguous_rows(q) if group.covers_batch_in_order else q.index_select(0, group.gather_index)
+        q_group = q_rows.view(rows, q_len, heads, dim).transpose(1, 2)  # [B, H, L, D]
         k = k_pool[0].index_select(1, group.kv_slots)[None]  # [1, H_kv, S, D]
         v = v_pool[0].index_select(1, group.kv_slots)[None]
         fn = _compiled_gathered_group_attention if self.compile else _gathered_group_attention
@@ -322,6 +322,13 @@ class FlexRunner:
             kernel_options_for(q.device, self.kernel_options),
         )
         return o.transpose(1, 2).reshape(rows * q_len, heads, dim)  # a view where the kernel kept q's layout
+
+
+def _contiguous_rows(q: Tensor) -> Tensor:
+    """``q`` as a contiguous ``[T, H, D]``, as a gathered batch is: the compiled kernels specialise
+    on strides, and a model's queries are often a slice of a fused q|k|v projection (another row
+    stride), which made every in-order batch a second compiled variant."""
+    return q.contiguous()
 
 
 def _scatter_rows(out: Tensor, o: Tensor, group: AttentionGroup) -> None:

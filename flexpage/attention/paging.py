@@ -150,6 +150,8 @@ def build_paged_batch(
     # lower than torch's, and the results are handed over as tensors without copies
     tables, seq_lens_n, query_lens_n = _check_inputs(block_tables, seq_lens, query_lens, page_size, num_pages,
                                                      recipe)
+    if tables.shape[1] == 1:  # one column would be one more compiled kernel (Dynamo specialises a size of 1)
+        tables = np.pad(tables, ((0, 0), (0, 1)))
     starts = np.cumsum(query_lens_n) - query_lens_n
     num_tokens = int(query_lens_n.sum())
     positions, slots = _positions_and_slots(tables, seq_lens_n, query_lens_n, page_size)
