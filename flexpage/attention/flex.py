@@ -262,6 +262,12 @@ class FlexRunner:
         self.compile = compile
         self.scale = scale
         self.kernel_options = kernel_options
+        self._options: dict[torch.device, dict] = {}  # kernel_options_for, per device (built once, not per call)
+
+    def _kernel_options(self, device: torch.device) -> dict:
+        if device not in self._options:
+            self._options[device] = kernel_options_for(device, self.kernel_options)
+        return self._options[device]
 
     def __call__(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, batch: PagedBatch) -> Tensor:
         """q: [T, H, D] new-token queries in flat order -> [T, H, D] attention output."""
@@ -302,7 +308,7 @@ class FlexRunner:
             group.full_kv_num_blocks, group.full_kv_indices, group.row_seq, group.block_table, group.q_start,
             group.seq_len, group.page_to_logical, self.recipe, batch.page_size, batch.pages_per_block,
             group.q_block, g, not (self.compile and batch.one_owner_per_block), self.scale,
-            kernel_options_for(q.device, self.kernel_options),
+            self._kernel_options(q.device),
         )
         return o.view(rows, kv_heads, q_len, g, dim).permute(0, 2, 1, 3, 4).reshape(rows * q_len, heads, dim)
 
@@ -319,7 +325,7 @@ class FlexRunner:
             fn, q_group, k, v, group.kv_num_blocks, group.kv_indices, group.full_kv_num_blocks, group.full_kv_indices,
             group.row_seq, group.q_start, group.seq_len, group.kv_start, self.recipe, group.q_block, group.kv_block,
             self.scale,
-            kernel_options_for(q.device, self.kernel_options),
+            self._kernel_options(q.device),
         )
         return o.transpose(1, 2).reshape(rows * q_len, heads, dim)  # a view where the kernel kept q's layout
 
