@@ -392,8 +392,9 @@ def _build_group(
         first_block = np.cumsum(row_blocks) - row_blocks
         block_ids = first_block[:, None] + np.arange(kv_lo.shape[-1])[None, :]  # past a row's blocks: never listed
         num_blocks = max(2, int(row_blocks.sum()))  # >= 2: Dynamo specialises a size of 1
-        slots = _gather_slots(table, seq_len, page_size, kv_block, num_blocks)
-        kv_slots, kv_start = torch.from_numpy(slots), torch.from_numpy((first_block * kv_block).astype(np.int32))
+        row_start = first_block * kv_block
+        kv_slots = torch.from_numpy(_gather_slots(table, seq_len, page_size, row_start, num_blocks * kv_block))
+        kv_start = torch.from_numpy(row_start.astype(np.int32))
     else:  # pages of the pool, read in place
         kv_block = page_size * pages_per_block
         num_blocks = num_pages // pages_per_block
@@ -428,15 +429,15 @@ def _build_group(
     )
 
 
-def _gather_slots(table: np.ndarray, seq_len: np.ndarray, page_size: int, kv_block: int, num_blocks: int) -> np.ndarray:
-    """``[num_blocks * kv_block]`` pool slots: each row's positions in order, padded to whole key
-    blocks with slot 0 (the null page), rows one after another, then slot 0 to the end."""
-    row_len = -(-seq_len // kv_block) * kv_block
-    row = np.repeat(np.arange(seq_len.size), row_len)
-    position = np.arange(row.size) - np.repeat(np.cumsum(row_len) - row_len, row_len)
-    page = table[row, np.minimum(position // page_size, table.shape[1] - 1)]
-    slots = np.where(position < seq_len[row], page * page_size + position % page_size, 0)
-    return np.concatenate([slots, np.zeros(num_blocks * kv_block - slots.size, dtype=slots.dtype)])
+def _gather_slots(table: np.ndarray, seq_len: np.ndarray, page_size: int, row_start: np.ndarray,
+                  kv_len: int) -> np.ndarray:
+    """``[kv_len]`` pool slots: row ``r``'s positions in order from ``row_start[r]``; slot 0 (the
+    null page) everywhere else."""
+    row = np.repeat(np.arange(seq_len.size), seq_len)
+    position = np.arange(row.size) - np.repeat(np.cumsum(seq_len) - seq_len, seq_len)
+    slots = np.zeros(kv_len, dtype=np.int64)
+    slots[row_start[row] + position] = table[row, position // page_size] * page_size + position % page_size
+    return slots
 
 
 def _as_bool(verdict: Tensor | bool, shape: tuple[int, ...]) -> np.ndarray:
