@@ -57,17 +57,25 @@ def _resident_mb() -> float:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="resident memory is read from Linux's /proc")
-def test_a_large_pool_costs_no_memory_until_it_is_written():
+def test_a_demand_paged_pool_costs_no_memory_until_it_is_written():
     """Anonymous memory committed on first touch: allocating 512 MiB barely moves the resident
     size, the pool reads as zeros, and writing part of it commits only that part."""
     before = _resident_mb()
-    pool = allocate_pool((1, 8, 1 << 19, 64), torch.bfloat16)  # 512 MiB
+    pool = allocate_pool((1, 8, 1 << 19, 64), torch.bfloat16, populate=False)  # 512 MiB
     assert _resident_mb() - before < 64
     assert pool.shape == (1, 8, 1 << 19, 64) and pool.dtype == torch.bfloat16 and pool.is_contiguous()
     assert not pool[0, 0, :4096].any()
     pool[0, 0, :4096] = 1.0
     assert pool[0, 0, :4096].all() and not pool[0, 1, :4096].any()
     assert _resident_mb() - before < 64
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="resident memory is read from Linux's /proc")
+def test_a_pool_is_resident_when_made_so_no_step_pays_for_page_faults():
+    before = _resident_mb()
+    pool = allocate_pool((1, 4, 1 << 19, 64), torch.bfloat16)  # 256 MiB
+    assert _resident_mb() - before > 240
+    assert pool.is_contiguous() and not pool.any()
 
 
 def test_small_pools_are_ordinary_tensors():

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextvars
 from typing import Any, NamedTuple
+from types import SimpleNamespace
 
 import torch
 
@@ -281,8 +282,10 @@ def apply() -> None:
 
     stock_choose = template_cls.choose_flex_template
 
-    def choose_flex_template(self, *args: Any, **kwargs: Any) -> str:
-        chosen = stock_choose(self, *args, **kwargs)
+    def choose_flex_template(self, query: Any, key: Any, num_threads: Any) -> str:
+        # the stock chooser reads ``node.data.data.layout.size``, a chain only an input buffer has:
+        # a query computed inside a larger compiled graph is a view of another buffer
+        chosen = stock_choose(self, _sized(query), _sized(key), num_threads)
         if not getattr(self, "flexpage_tuned", False) or chosen is not stock_template:
             return chosen
         return reduced_template if _is_reduced(self) and _compiles_avx512() else lean_template
@@ -347,3 +350,8 @@ def _is_identity(score_mod: Any) -> bool:
     result = output.args[0]
     result = result[0] if isinstance(result, (tuple, list)) and len(result) == 1 else result
     return bool(placeholders) and result is placeholders[0]
+
+
+def _sized(node: Any) -> SimpleNamespace:
+    """A stand-in exposing ``node``'s size where the stock template chooser looks for it."""
+    return SimpleNamespace(data=SimpleNamespace(data=SimpleNamespace(layout=SimpleNamespace(size=node.get_size()))))
