@@ -268,7 +268,8 @@ class LLMEngine:
         if not sampled:
             return
         rows, seqs = self._expand_parallel_samples(sampled)
-        logits = logits[rows]
+        if len(rows) != len(sampled):  # n > 1 forked children share their parent's row
+            logits = logits[rows]
         params = [s.request.params for s in seqs]
         histories = [TokenHistory(s.prompt_token_ids, s.output_token_ids) for s in seqs]
         generators = [self._generator_of(s) for s in seqs]

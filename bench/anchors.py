@@ -1,0 +1,181 @@
+"""flexpage against the CPU engine a user would pick instead: OpenVINO GenAI, same workload, one run.
+
+    python -m bench.anchors [--rounds 4] [--openvino-python PATH] [--openvino-model DIR]
+
+The workload (issue 12): 48 prompts of random token ids, lengths log-normal(5.0, 0.8)
+clipped to 16-1024, 64 greedy output tokens each (``ignore_eos``), all submitted at once.
+Each round runs every engine in its own fresh process, alternating which goes first; each
+process loads its engine, warms up (flexpage: ``warm_up`` and the workload on another
+seed; OpenVINO: the workload on another seed), then measures, always on fresh prompts so
+no prefix cache helps:
+
+* ``tok_s``: output tokens per second over the workload;
+* ``ttft16_ms``: a 16-token prompt's first token on the idle engine (median of 5);
+* ``prefill128_ms``: a 128-token prompt's first token (median of 3);
+* ``decode_ms``: batch-1 decode per token, (65-token request - 1-token request) / 64 (median of 3);
+* ``ready_s``: process start to ready (imports, load, warm-up); ``peak_rss_mb``.
+
+OpenVINO GenAI runs in its own virtual environment (its exporter pulls packages that
+would replace the CPU torch; install notes in docs/anchors.md). ``--openvino-python``
+names that environment's python (default: ``$FLEXPAGE_OPENVINO_PYTHON``); without it only
+flexpage runs. Its model is SmolLM2-135M-Instruct exported by optimum-intel with fp16
+weights (bf16 compute on AMX CPUs), made once from flexpage's cached HF folder when
+missing. Workers print one JSON line; this file imports nothing but the standard library
+and numpy at module level, so the OpenVINO environment can run it as a plain file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+_STARTED = time.perf_counter()
+NUM_PROMPTS, OUTPUT_TOKENS, WARMUP_SEED, VOCAB_RANGE = 48, 64, 1234, (100, 49000)
+DEFAULT_OUT = Path("bench/results/anchors.json")
+DEFAULT_OV_MODEL = Path.home() / ".cache" / "flexpage" / "openvino" / "SmolLM2-135M-Instruct-fp16"
+METRICS = ("tok_s", "ttft16_ms", "prefill128_ms", "decode_ms", "ready_s", "peak_rss_mb")
+
+
+def workload(seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(5.0, 0.8, NUM_PROMPTS), 16, 1024).astype(int)
+    return [rng.integers(*VOCAB_RANGE, n).tolist() for n in lengths]
+
+
+def fresh_prompt(rng: np.random.Generator, length: int) -> list[int]:
+    return rng.integers(*VOCAB_RANGE, length).tolist()
+
+
+class FlexpageEngine:
+    def __init__(self) -> None:
+        from flexpage import LLM, SamplingParams
+
+        self.params = SamplingParams
+        self.llm = LLM()
+        self.llm.engine.warm_up()
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> int:
+        params = self.params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+class OpenVINOEngine:
+    def __init__(self, model: str) -> None:
+        import openvino as ov
+        import openvino_genai as genai
+
+        self.ov, self.genai = ov, genai
+        scheduler = genai.SchedulerConfig()
+        scheduler.max_num_batched_tokens = 2048
+        scheduler.cache_size = 1  # GB, flexpage's default pool
+        self.pipe = genai.ContinuousBatchingPipeline(model, scheduler, "CPU")
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> int:
+        config = self.genai.GenerationConfig()
+        config.max_new_tokens, config.ignore_eos, config.do_sample = max_tokens, True, False
+        inputs = [self.ov.Tensor(np.array([p], dtype=np.int64)) for p in prompts]
+        results = self.pipe.generate(inputs, [config] * len(prompts))
+        return sum(len(r.m_generation_ids[0]) for r in results)
+
+
+def timed(fn, *args) -> float:  # noqa: ANN001
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+def run_worker(engine_name: str, seed: int, ov_model: str) -> dict:
+    engine = FlexpageEngine() if engine_name == "flexpage" else OpenVINOEngine(ov_model)
+    engine.generate(workload(WARMUP_SEED), OUTPUT_TOKENS)
+    ready_s = time.perf_counter() - _STARTED
+    start = time.perf_counter()
+    generated = engine.generate(workload(seed), OUTPUT_TOKENS)
+    tok_s = generated / (time.perf_counter() - start)
+    rng = np.random.default_rng(seed + 1)
+    ttft16 = statistics.median(timed(engine.generate, [fresh_prompt(rng, 16)], 1) for _ in range(5))
+    prefill = [timed(engine.generate, [fresh_prompt(rng, 128)], 1) for _ in range(3)]
+    full = [timed(engine.generate, [fresh_prompt(rng, 128)], OUTPUT_TOKENS + 1) for _ in range(3)]
+    return {
+        "engine": engine_name, "tok_s": tok_s, "ttft16_ms": 1e3 * ttft16,
+        "prefill128_ms": 1e3 * statistics.median(prefill),
+        "decode_ms": 1e3 * (statistics.median(full) - statistics.median(prefill)) / OUTPUT_TOKENS,
+        "ready_s": ready_s, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def export_openvino_model(python: str, out: Path) -> None:
+    """Export SmolLM2-135M-Instruct (flexpage's cached HF folder) to OpenVINO IR, fp16 weights."""
+    from flexpage.model.loader import resolve_model_path
+
+    cli = Path(python).with_name("optimum-cli")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([str(cli), "export", "openvino", "--model", str(resolve_model_path(None)), "--task",
+                    "text-generation-with-past", "--weight-format", "fp16", str(out)], check=True)
+
+
+def run_round(engine: str, seed: int, python: str, ov_model: Path) -> dict:
+    command = [python, str(Path(__file__).resolve()), "--worker", engine, "--seed", str(seed),
+               "--openvino-model", str(ov_model)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{engine} worker failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def summarise(rounds: list[dict]) -> dict:
+    engines = sorted({r["engine"] for r in rounds})
+    table = {e: {m: statistics.median(r[m] for r in rounds if r["engine"] == e) for m in METRICS} for e in engines}
+    spread = {e: {m: [round(r[m], 2) for r in rounds if r["engine"] == e] for m in METRICS} for e in engines}
+    result = {"median": table, "per_round": spread}
+    if "openvino" in table:
+        result["flexpage_over_openvino"] = {m: table["flexpage"][m] / table["openvino"][m] for m in METRICS}
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--openvino-python", default=os.environ.get("FLEXPAGE_OPENVINO_PYTHON"))
+    p.add_argument("--openvino-model", type=Path, default=DEFAULT_OV_MODEL)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--worker", choices=("flexpage", "openvino"), help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        print(json.dumps(run_worker(args.worker, args.seed, str(args.openvino_model))))
+        return
+    engines = {"flexpage": sys.executable}
+    if args.openvino_python:
+        if not args.openvino_model.exists():
+            export_openvino_model(args.openvino_python, args.openvino_model)
+        engines["openvino"] = args.openvino_python
+    rounds = []
+    for r in range(args.rounds):
+        order = list(engines) if r % 2 == 0 else list(reversed(engines))
+        for engine in order:
+            rounds.append(run_round(engine, seed=r, python=engines[engine], ov_model=args.openvino_model))
+            print(f"round {r} {engine}: " + ", ".join(f"{m} {rounds[-1][m]:.1f}" for m in METRICS), flush=True)
+    result = {"workload": f"{NUM_PROMPTS} prompts, lognormal(5.0, 0.8) clipped 16-1024, {OUTPUT_TOKENS} greedy tokens",
+              "rounds": args.rounds, **summarise(rounds)}
+    for engine, row in result["median"].items():
+        print(f"{engine:>9}: " + ", ".join(f"{m} {v:.1f}" for m, v in row.items()))
+    if "flexpage_over_openvino" in result:
+        print("flexpage / openvino: " + ", ".join(f"{m} {v:.2f}" for m, v in result["flexpage_over_openvino"].items()))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
