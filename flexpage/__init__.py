@@ -3,7 +3,7 @@
 ``import flexpage`` registers ``attn_implementation="flexpage"`` with HF transformers.
 """
 
-from flexpage.attention.hf_backend import register as _register_hf_backend
+from flexpage.model.hf_backend import register as _register_hf_backend
 
 _register_hf_backend()
 

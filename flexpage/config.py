@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -69,6 +70,9 @@ class EngineConfig:
     # "transformers" (HF's modules), "auto" (compact where the model has one); see ModelRunner
     model_impl: str = "auto"
     seed: int = 0
+    # attention recipe(s) replacing the model's own: a Recipe for every layer, "module:attr" or
+    # "path/file.py[:attr]", or one per layer; None: the model's (see flexpage.model.layer_recipes)
+    recipe: Any = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "attention_block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -21,7 +21,8 @@ from flexpage.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from flexpage.core.sequence import Sequence, SequenceStatus
 from flexpage.model.detokenizer import IncrementalDetokenizer
 from flexpage.model.loader import default_dtype, load_hf_model, load_tokenizer, parse_dtype, resolve_model_path
-from flexpage.model.runner import ModelRunner, StepInputs, layer_groups_of
+from flexpage.model.layer_recipes import engine_recipes
+from flexpage.model.runner import ModelRunner, StepInputs, layer_groups_for
 from flexpage.model.sampler import TokenHistory, make_generator, sample
 from flexpage.outputs import CompletionOutput, Logprob, RequestOutput
 from flexpage.sampling_params import SamplingParams
@@ -74,15 +75,18 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or min(getattr(text_config, "max_position_embeddings", 4096), 8192)
         self.vocab_size = text_config.vocab_size
         self.eos_token_ids = _eos_ids(model, self.tokenizer)
-        # one block holds one layer group's layers (all layers unless sliding and full layers mix)
-        self.layer_groups = layer_groups_of(model.config)
+        #: every layer's attention recipe: the model's own, or the one the config names
+        self.recipes = engine_recipes(config.recipe, model.config)
+        # one block holds one layer group's layers (all layers unless windowed and full layers mix)
+        self.layer_groups = layer_groups_for(self.recipes)
         bytes_per_block = _kv_bytes_per_token(text_config, dtype, len(self.layer_groups[0].layers)) * config.block_size
         num_blocks = config.num_blocks or max(2, parse_size(config.kv_cache_memory) // bytes_per_block)
         compile = config.compile and os.environ.get("FLEXPAGE_COMPILE", "1") != "0"
         run_length = config.blocks_per_attention_block(dtype)
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size, compile=compile,
                                   num_host_blocks=parse_size(config.swap_space) // bytes_per_block,
-                                  blocks_per_attention_block=run_length, model_impl=config.model_impl)
+                                  blocks_per_attention_block=run_length, model_impl=config.model_impl,
+                                  recipes=self.recipes)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
             num_host_blocks=self.runner.num_host_blocks, run_length=run_length,

@@ -4,12 +4,13 @@ Each module exposes a factory returning a :class:`flexpage.attention.recipe.Reci
 Recipes never see pages; :mod:`flexpage.attention.paging` translates for them.
 """
 
-from recipes.alibi import alibi
-from recipes.causal import causal
-from recipes.document import document_mask
-from recipes.prefix_lm import prefix_lm
-from recipes.sliding_window import sliding_window
-from recipes.softcap import softcap
+from flexpage.recipes.alibi import alibi
+from flexpage.recipes.causal import causal
+from flexpage.recipes.chunked_local import chunked_local
+from flexpage.recipes.document import document_mask
+from flexpage.recipes.prefix_lm import prefix_lm
+from flexpage.recipes.sliding_window import sliding_window
+from flexpage.recipes.softcap import softcap
 from flexpage.attention.recipe import compose
 
-__all__ = ["alibi", "causal", "compose", "document_mask", "prefix_lm", "sliding_window", "softcap"]
+__all__ = ["alibi", "causal", "chunked_local", "compose", "document_mask", "prefix_lm", "sliding_window", "softcap"]

@@ -16,4 +16,4 @@ def sliding_window(window: int) -> Recipe:
     def mask_mod(b: Tensor, h: Tensor, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
         return (q_pos >= kv_pos) & (q_pos - kv_pos < window)
 
-    return Recipe(f"sliding_window({window})", mask_mod=mask_mod, block_rule=window_rule(window))
+    return Recipe(f"sliding_window({window})", mask_mod=mask_mod, block_rule=window_rule(window), window=window)

@@ -178,6 +178,16 @@ class SlidingWindow(DenseVariant):
 
 
 @dataclass
+class ChunkedLocal(DenseVariant):
+    """Causal within consecutive chunks of ``chunk`` positions (Llama 4's local layers)."""
+
+    chunk: int
+
+    def mask(self, seq: int, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
+        return (kv_pos <= q_pos) & (kv_pos // self.chunk == q_pos // self.chunk)
+
+
+@dataclass
 class Softcap(DenseVariant):
     cap: float
 

@@ -211,7 +211,7 @@ def test_contiguous_softcap_recipe_compiles():
     with ``LoweringException: RuntimeError: unbacked_bindings``.
     """
     from flexpage.attention.contiguous import RowLayout, contiguous_attention
-    from recipes.softcap import softcap
+    from flexpage.recipes.softcap import softcap
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 24, 64, generator=g)

@@ -14,7 +14,7 @@ import torch
 from attention_reference import BatchSpec, expected_positions_and_slots, gather_sequence_kv, make_block_tables
 from flexpage.attention.kv_pool import KVPool, allocate_pool, write_kv
 from flexpage.attention.paging import build_paged_batch
-from recipes.causal import causal
+from flexpage.recipes.causal import causal
 
 LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 3, 10, 4, 2, 8
 

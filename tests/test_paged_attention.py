@@ -39,7 +39,7 @@ from attention_reference import (
 )
 from flexpage.attention.flex import FlexRunner
 from flexpage.attention.paging import build_paged_batch, thread_balanced_order
-from recipes.causal import causal
+from flexpage.recipes.causal import causal
 
 pytestmark = pytest.mark.usefixtures("compile_budget", "single_torch_thread")
 
@@ -571,7 +571,7 @@ def test_pages_released_by_a_sliding_window_are_never_visited():
     """Window 20, pages of 16: rows at 60 (decode) and 50..59 (chunk) see nothing below page 2
     (positions 32+ only for the decode row; 31+ for the chunk needs page 1), so those pages may be
     the null page: the output equals the full table's, with garbage in page 0 and the old pages."""
-    from recipes.sliding_window import sliding_window
+    from flexpage.recipes.sliding_window import sliding_window
 
     g = torch.Generator().manual_seed(3)
     recipe = sliding_window(20)

@@ -29,6 +29,7 @@ from attention_reference import (
     BatchSpec,
     Both,
     Causal,
+    ChunkedLocal,
     DenseVariant,
     Documents,
     Geometry,
@@ -41,12 +42,13 @@ from attention_reference import (
     rel_err,
 )
 from flexpage.attention.recipe import Recipe, causal_rule, compose
-from recipes.alibi import alibi, alibi_slopes
-from recipes.causal import causal
-from recipes.document import document_mask
-from recipes.prefix_lm import prefix_lm
-from recipes.sliding_window import sliding_window
-from recipes.softcap import softcap
+from flexpage.recipes.alibi import alibi, alibi_slopes
+from flexpage.recipes.causal import causal
+from flexpage.recipes.chunked_local import chunked_local
+from flexpage.recipes.document import document_mask
+from flexpage.recipes.prefix_lm import prefix_lm
+from flexpage.recipes.sliding_window import sliding_window
+from flexpage.recipes.softcap import softcap
 
 pytestmark = pytest.mark.usefixtures("compile_budget", "single_torch_thread")
 
@@ -136,6 +138,7 @@ class Case:
 CASES = [
     Case("alibi", alibi(6), Alibi(6)),
     Case("sliding_window", sliding_window(24), SlidingWindow(24)),
+    Case("chunked_local", chunked_local(24), ChunkedLocal(24)),
     Case("softcap", softcap(2.0), Softcap(2.0), q_scale=4.0),
     Case("prefix_lm", prefix_lm(torch.tensor(PREFIX_LENGTHS)), PrefixLM(PREFIX_LENGTHS)),
     Case("document_mask", document_mask(torch.tensor(DOCUMENT_IDS)), Documents(DOCUMENT_IDS)),

@@ -176,6 +176,7 @@ def test_health_models_and_auth(server: ServerProcess) -> None:
     assert httpx.get(server.base_url + "/metrics").status_code == 200  # open without a key
     models = httpx.get(server.base_url + "/v1/models", headers=server.headers).json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["attention_recipes"] == "causal (all 30 layers)"
     assert server.openai().models.list().data[0].id == MODEL
     _assert_error(httpx.get(server.base_url + "/v1/models"), 401, code="invalid_api_key")
     _assert_error(httpx.get(server.base_url + "/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
@@ -539,3 +540,20 @@ def test_many_prompt_shapes_stay_within_the_compile_budget(offline: dict) -> Non
     thread.start()
     thread.join(timeout=600)
     assert not errors, f"{type(errors[0]).__name__}: {errors[0]}"
+
+
+def test_serve_with_a_recipe_from_a_file(tiny_model: Any, tmp_path: Any) -> None:
+    """The two commands of recipes/README.md: a copied recipe file, then ``flexpage serve --recipe``."""
+    recipe_file = tmp_path / "my_local.py"
+    recipe_file.write_text("from flexpage.recipes import chunked_local\nmine = chunked_local(16)\n")
+    server = ServerProcess("--model", str(tiny_model("llama")), "--dtype", "float32", "--eager", "--num-blocks", "64",
+                           "--recipe", f"{recipe_file}:mine")
+    server.start().wait_ready()
+    try:
+        card = httpx.get(server.base_url + "/v1/models").json()["data"][0]
+        assert card["attention_recipes"] == "chunked_local(16) (all 2 layers)"
+        done = server.openai().completions.create(model=card["id"], prompt="Hello there", max_tokens=4)
+        assert done.usage.completion_tokens == 4
+        assert "chunked_local(16) (all 2 layers)  (--recipe)" in server.output()
+    finally:
+        server.stop()

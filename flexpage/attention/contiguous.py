@@ -1,6 +1,6 @@
 """FlexAttention over contiguous per-row K/V (the layout HF transformers' caches use).
 
-The HF backend (:mod:`flexpage.attention.hf_backend`) runs recipes on HF's own cache
+The HF backend (:mod:`flexpage.model.hf_backend`) runs recipes on HF's own cache
 tensors ``[B, H_kv, S, D]``: there are no pages, but the same ideas apply -- the block
 mask is built from lengths with tensor operations (never ``create_block_mask``), wholly
 visible key blocks skip the mask, and the recipe sees logical positions (cache index

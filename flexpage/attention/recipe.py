@@ -90,14 +90,27 @@ class Recipe:
     causal mask explicitly. ``block_rule`` must describe ``mask_mod`` (see :class:`BlockRule`);
     left out, it is :func:`causal_rule` for the causal mask and otherwise
     :func:`unknown_rule`, which is always correct but visits every page of a sequence.
+
+    ``window`` declares what the engine may do with memory: a query at ``q_pos`` never sees a
+    key before ``q_pos - window + 1``, and neither does any later query, so the block manager
+    gives back the blocks that fall behind (sliding window, chunked local attention). A
+    recipe that may look arbitrarily far back leaves it ``None``.
+
+    Recipes are compared and hashed by their fields, functions by identity: compiled kernels
+    and batch plans are cached per recipe object, so two instances of a parameterised recipe
+    (closing over different tensors or numbers) never share them, whatever their names.
     """
 
     name: str
     mask_mod: MaskMod | None = causal_mask
     score_mod: ScoreMod | None = None
     block_rule: BlockRule | None = None
+    window: int | None = None
 
     def __post_init__(self) -> None:
+        if self.window is not None and (not isinstance(self.window, int) or isinstance(self.window, bool)
+                                        or self.window < 1):
+            raise ValueError(f"window: got {self.window!r}, expected None or an int >= 1")
         if self.block_rule is None:
             rule = causal_rule if self.mask_mod is causal_mask else unknown_rule
             object.__setattr__(self, "block_rule", rule)
@@ -137,11 +150,13 @@ def compose(*recipes: Recipe, name: str | None = None) -> Recipe:
     masks = [r.mask_mod for r in recipes if r.mask_mod is not None]
     scores = [r.score_mod for r in recipes if r.score_mod is not None]
     rules = [r.block_rule for r in recipes if r.mask_mod is not None]
+    windows = [r.window for r in recipes if r.window is not None]  # AND-ed masks: the narrowest bound holds
     return Recipe(
         name=name or "+".join(r.name for r in recipes),
         mask_mod=and_masks(*masks) if masks else None,
         score_mod=chain_scores(*scores) if scores else None,
         block_rule=and_rules(*rules) if rules else unknown_rule,
+        window=min(windows) if windows else None,
     )
 
 

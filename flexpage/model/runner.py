@@ -33,6 +33,7 @@ every layer: one table, a pool of all layers, as before.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -41,13 +42,13 @@ import torch
 from torch import Tensor
 
 from flexpage.attention.flex import FlexRunner, raised_compile_limits
-from flexpage.attention.hf_backend import recipe_for
 from flexpage.attention.kv_pool import KVPool
 from flexpage.attention.paging import PagedBatch, build_paged_batch, next_power_of_two, token_positions
 from flexpage.attention.recipe import Recipe
 from flexpage.config import MODEL_IMPLS
-from flexpage.core.layer_groups import LayerGroup, layer_windows, plan_layer_groups
+from flexpage.core.layer_groups import LayerGroup, plan_layer_groups
 from flexpage.model.compact import CompactDecoder, supports
+from flexpage.model.layer_recipes import model_recipes, recipe_for
 
 IMPLEMENTATION_NAME = "flexpage_paged"
 
@@ -75,17 +76,21 @@ class PagedStep:
     query_lens: Tensor
     compile: bool
     pages_per_block: int = 1
-    batches: dict[str, PagedBatch] = field(default_factory=dict)
-    runners: dict[tuple[str, float | None], FlexRunner] = field(default_factory=dict)
+    #: every layer's recipe; ``recipes_from_model``: the model's own (HF's attention kwargs must
+    #: ask for exactly these), not a user's replacement
+    recipes: tuple[Recipe, ...] = ()
+    recipes_from_model: bool = True
+    #: keyed by recipe object (never by name: two instances of one parameterised recipe differ)
+    batches: dict[tuple[Recipe, int], PagedBatch] = field(default_factory=dict)
+    runners: dict[tuple[Recipe, float | None], FlexRunner] = field(default_factory=dict)
     #: layer groups: each group's tables (group 0's is ``block_tables``), and for each layer
     #: its group and its slot in the pool. Empty: one group of every layer (slot = layer).
     group_tables: tuple[Tensor, ...] = ()
     layer_group: tuple[int, ...] = ()
     layer_slot: tuple[int, ...] = ()
-    group_windows: tuple[int | None, ...] = ()
 
     def batch_for(self, recipe: Recipe, group: int = 0) -> PagedBatch:
-        key = recipe.name if group == 0 else f"{recipe.name}@group{group}"
+        key = (recipe, group)
         if key not in self.batches:
             self.batches[key] = build_paged_batch(
                 self.group_tables[group] if group else self.block_tables, self.seq_lens, self.query_lens,
@@ -94,16 +99,20 @@ class PagedStep:
             )
         return self.batches[key]
 
-    def check_window(self, layer: int, sliding_window: int | None) -> None:
-        """A layer of a sliding group must apply exactly its group's window, or released pages would be missed."""
-        if not self.group_windows:
-            return
-        expected = self.group_windows[self.layer_group[layer] if self.layer_group else 0]
-        if expected is not None and sliding_window != expected:
+    def recipe_of(self, layer: int, sliding_window: int | None, softcap: float | None) -> Recipe:
+        """The recipe layer ``layer`` runs, given the window and soft cap HF's module passes.
+
+        With the model's own recipes HF's arguments must ask for exactly the recipe the layer
+        groups were planned from (a layer attending with another window than its group's would
+        read released blocks): a config read wrong fails here. A user's recipe replaces them.
+        """
+        recipe = self.recipes[layer]
+        if self.recipes_from_model and recipe_for(sliding_window, softcap) is not recipe:
             raise ValueError(
-                f"layer {layer}: attends with sliding_window={sliding_window}, but its layer group releases "
-                f"KV blocks outside a window of {expected} (the model config's layer kinds were read wrong)"
+                f"layer {layer}: attends with sliding_window={sliding_window}, softcap={softcap}, but the "
+                f"model's recipes give it {recipe.name} (the model config's layer kinds were read wrong)"
             )
+        return recipe
 
 
 def paged_attention_forward(
@@ -121,8 +130,8 @@ def paged_attention_forward(
 ) -> tuple[Tensor, None]:
     if flexpage_step is None:
         raise ValueError("flexpage_step: got None; attn_implementation='flexpage_paged' runs only inside ModelRunner")
-    flexpage_step.check_window(module.layer_idx, sliding_window)
-    out = _attend(flexpage_step, module.layer_idx, recipe_for(sliding_window, softcap), scaling,
+    recipe = flexpage_step.recipe_of(module.layer_idx, sliding_window, softcap)
+    out = _attend(flexpage_step, module.layer_idx, recipe, scaling,
                   query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))  # [T, H, D]
     return out[None], None
 
@@ -133,7 +142,7 @@ def _attend(step: PagedStep, layer: int, recipe: Recipe, scale: float | None, q:
     slot = step.layer_slot[layer] if step.layer_slot else layer
     k_pool, v_pool = step.pool.layer(slot)
     step.pool.write(slot, batch.slots, k, v)
-    runner_key = (recipe.name, scale)
+    runner_key = (recipe, scale)
     if runner_key not in step.runners:
         step.runners[runner_key] = FlexRunner(recipe, compile=step.compile, scale=scale)
     return step.runners[runner_key](q, k_pool, v_pool, batch)
@@ -156,7 +165,10 @@ class ModelRunner:
     """Owns the model and the KV pool of one process; turns StepInputs into logits."""
 
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int, compile: bool = True,
-                 num_host_blocks: int = 0, blocks_per_attention_block: int = 1, model_impl: str = "auto") -> None:
+                 num_host_blocks: int = 0, blocks_per_attention_block: int = 1, model_impl: str = "auto",
+                 recipes: Sequence[Recipe] | None = None) -> None:
+        """``recipes``: one per decoder layer (:func:`~flexpage.model.layer_recipes.engine_recipes`);
+        None: the model's own (:func:`~flexpage.model.layer_recipes.model_recipes`)."""
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl: got {model_impl!r}, expected one of {MODEL_IMPLS}")
         if model_impl == "flexpage" and not supports(model):
@@ -170,14 +182,17 @@ class ModelRunner:
         self.model = model
         self.model.set_attn_implementation(IMPLEMENTATION_NAME)
         self.current_step: PagedStep | None = None  # read by attention modules HF does not route kwargs to
+        own = model_recipes(config)
+        self.layer_recipes = own if recipes is None else tuple(recipes)
+        if len(self.layer_recipes) != len(own):
+            raise ValueError(f"recipes: got {len(self.layer_recipes)}, expected one per layer ({len(own)})")
+        self.recipes_from_model = self.layer_recipes == own
         if config.model_type == "bloom":
             _route_bloom_attention(model, self)
         self.dtype = next(model.parameters()).dtype
         self.compact = CompactDecoder(model) if model_impl != "transformers" and supports(model) else None
-        # the compact forward's recipe per layer (HF's modules pass their window with each call)
-        self._layer_recipes = [recipe_for(window, None) for window in layer_windows(text_config)] if self.compact else []
         self.blocks_per_attention_block = blocks_per_attention_block
-        self.layer_groups = layer_groups_of(config)
+        self.layer_groups = layer_groups_for(self.layer_recipes)
         self._layer_group = [0] * text_config.num_hidden_layers
         self._layer_slot = [0] * text_config.num_hidden_layers
         for g, group in enumerate(self.layer_groups):
@@ -214,7 +229,8 @@ class ModelRunner:
             group_tables=tuple(group_tables),
             layer_group=tuple(self._layer_group) if multi else (),
             layer_slot=tuple(self._layer_slot) if multi else (),
-            group_windows=tuple(g.window for g in self.layer_groups),
+            recipes=self.layer_recipes,
+            recipes_from_model=self.recipes_from_model,
             seq_lens=torch.tensor(inputs.seq_lens),
             query_lens=torch.tensor(inputs.query_lens),
             compile=self.compile,
@@ -227,7 +243,7 @@ class ModelRunner:
         sample_rows = torch.tensor(inputs.sample_rows, dtype=torch.long)
         with raised_compile_limits():  # once per step, not per layer (see flexpage.attention.flex)
             if self.compact is not None:
-                scale, recipes = self.compact.scale, self._layer_recipes
+                scale, recipes = self.compact.scale, self.layer_recipes
 
                 def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
                     return _attend(step, layer, recipes[layer], scale, q, k, v)
@@ -257,12 +273,10 @@ class ModelRunner:
         return (ids[:, None] * self.pool.block_size + torch.arange(self.pool.block_size)).flatten()
 
 
-def layer_groups_of(config: object) -> tuple[LayerGroup, ...]:
-    """The layer groups (one block table each) of an HF model config; see :mod:`flexpage.core.layer_groups`."""
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(config, "model_type", None) == "bloom":  # ALiBi, no window (rerouted attention)
-        return plan_layer_groups([None] * text_config.num_hidden_layers)
-    return plan_layer_groups(layer_windows(text_config))
+def layer_groups_for(recipes: Sequence[Recipe]) -> tuple[LayerGroup, ...]:
+    """The layer groups (one block table each) of layers running ``recipes``, by their declared
+    window; see :mod:`flexpage.core.layer_groups`."""
+    return plan_layer_groups([recipe.window for recipe in recipes])
 
 
 def _padded_tables(block_tables: list[list[int]], width: int) -> Tensor:
@@ -277,10 +291,7 @@ def _padded_tables(block_tables: list[list[int]], width: int) -> Tensor:
 def _route_bloom_attention(model: torch.nn.Module, runner: ModelRunner) -> None:
     """Bloom computes ALiBi inside its own attention module (not through AttentionInterface),
     and HF does not pass extra kwargs down to it: replace each module's forward with the
-    paged ALiBi recipe, reading the step from the runner that owns this model."""
-    from recipes.alibi import alibi
-
-    recipe = alibi(model.config.n_head)
+    layer's recipe (the model's: ALiBi), reading the step from the runner that owns this model."""
     for layer, block in enumerate(model.transformer.h):
         attention = block.self_attention
 
@@ -292,7 +303,7 @@ def _route_bloom_attention(model: torch.nn.Module, runner: ModelRunner) -> None:
             tokens = hidden_states.shape[1]
             fused = _attn.query_key_value(hidden_states).view(tokens, _attn.num_heads, 3, _attn.head_dim)
             q, k, v = (fused[:, :, i].contiguous() for i in range(3))
-            out = _attend(step, _layer, recipe, _attn.inv_norm_factor, q, k, v)
+            out = _attend(step, _layer, step.recipes[_layer], _attn.inv_norm_factor, q, k, v)
             return _attn.dense(out.reshape(1, tokens, -1)) + residual, None
 
         attention.forward = forward

@@ -60,6 +60,7 @@ class ServerState:
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
     metrics: ServerMetrics | None = None
+    recipes: str = ""  # the attention recipes the model runs (see flexpage.server.main.recipe_summary)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     inflight: int = 0
@@ -434,7 +435,7 @@ def build_app(state: ServerState) -> Any:
 
     def model_card() -> dict[str, Any]:
         return {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "flexpage",
-                "max_model_len": state.max_model_len}
+                "max_model_len": state.max_model_len, "attention_recipes": state.recipes}
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

@@ -39,6 +39,7 @@ class ServeSettings:
     dtype: str = "auto"
     eager: bool = False
     model_impl: str = "auto"
+    recipe: str | None = None  # "module:attr" or "path/file.py[:attr]"; None: the model's own
     enable_prefix_caching: bool = True
     swap_space: str = "0"
     preemption_mode: str = "recompute"
@@ -74,7 +75,7 @@ def run_server(settings: ServeSettings) -> int:
         max_model_len=settings.max_model_len, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, enable_prefix_caching=settings.enable_prefix_caching,
         preemption_mode=settings.preemption_mode, compile=not settings.eager, model_impl=settings.model_impl,
-        seed=settings.seed,
+        seed=settings.seed, recipe=settings.recipe,
     )
     timings = {"load": 0.0, "warm-up": 0.0}
 
@@ -100,7 +101,7 @@ def run_server(settings: ServeSettings) -> int:
     state = ServerState(
         engine_loop=engine_loop, tokenizer=load_tokenizer(engine.model_path), served_model_name=served_name,
         max_model_len=engine.max_model_len, vocab_size=engine.vocab_size, api_key=settings.api_key or None,
-        max_body_bytes=max_body, metrics=metrics,
+        max_body_bytes=max_body, metrics=metrics, recipes=recipe_summary(engine.recipes),
     )
     app = build_app(state)
     engine_loop.start()
@@ -120,6 +121,16 @@ def run_server(settings: ServeSettings) -> int:
         return 1
     console.print("[green]flexpage serve stopped[/green]")
     return 0
+
+
+def recipe_summary(recipes: Any) -> str:
+    """Each distinct recipe with the layers that run it, e.g. ``causal+sliding_window(4096) (layers 0-24/2)``."""
+    layers: dict[Any, list[int]] = {}
+    for layer, recipe in enumerate(recipes):
+        layers.setdefault(recipe, []).append(layer)
+    if len(layers) == 1:
+        return f"{next(iter(layers)).name} (all {len(recipes)} layers)"
+    return "; ".join(f"{recipe.name} (layers {', '.join(map(str, ids))})" for recipe, ids in layers.items())
 
 
 def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str, load_s: float,
@@ -143,6 +154,8 @@ def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str
     table.add_row("prefix caching", "on" if engine.config.enable_prefix_caching else "off")
     table.add_row("attention", "torch.compile (FlexAttention kernels)" if engine.runner.compile
                   else "eager (no torch.compile)")
+    table.add_row("recipes", recipe_summary(engine.recipes) + ("" if engine.runner.recipes_from_model
+                                                              else "  (--recipe)"))
     table.add_row("layers", "flexpage compact forward (fused, pre-packed projections)" if engine.runner.compact
                   else "HF transformers modules")
     table.add_row("API key", "required" if settings.api_key else "none (open)")

@@ -7,16 +7,16 @@ with no causal mask at all. Our mask builder returns a small :class:`FlexpageMas
 rows' padding and offsets) instead of a dense 4D tensor; the attention function turns it
 into a block mask once per forward pass and layer kind and reuses it in every layer.
 
-Model features map to recipes: GQA -> ``enable_gqa``; ``sliding_window`` (Mistral,
-Gemma2/3 local layers) -> :func:`recipes.sliding_window`; ``softcap`` (Gemma2's
-``attn_logit_softcapping``) -> :func:`recipes.softcap`.
+Model features map to recipes through the engine's own mapping
+(:func:`flexpage.model.layer_recipes.recipe_for`): GQA -> ``enable_gqa``; ``sliding_window``
+(Mistral, Gemma2/3 local layers) -> :func:`flexpage.recipes.sliding_window`; ``softcap``
+(Gemma2's ``attn_logit_softcapping``) -> :func:`flexpage.recipes.softcap`.
 
 ``FLEXPAGE_COMPILE=0`` runs the same program eagerly (slow; for debugging).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass, field
 
@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from flexpage.attention.contiguous import ContiguousMask, RowLayout, build_contiguous_mask, contiguous_attention
-from flexpage.attention.recipe import CAUSAL, Recipe, compose
+from flexpage.attention.recipe import Recipe
+from flexpage.model.layer_recipes import recipe_for
 
 IMPLEMENTATION_NAME = "flexpage"
 
@@ -35,12 +36,12 @@ class FlexpageMask:
 
     layout: RowLayout
     q_length: int
-    _built: dict[str, ContiguousMask] = field(default_factory=dict)
+    _built: dict[Recipe, ContiguousMask] = field(default_factory=dict)  # keyed by recipe object, not name
 
     def block_mask(self, recipe: Recipe) -> ContiguousMask:
-        if recipe.name not in self._built:
-            self._built[recipe.name] = build_contiguous_mask(self.layout, self.q_length, recipe)
-        return self._built[recipe.name]
+        if recipe not in self._built:
+            self._built[recipe] = build_contiguous_mask(self.layout, self.q_length, recipe)
+        return self._built[recipe]
 
 
 def flexpage_mask(
@@ -67,20 +68,6 @@ def flexpage_mask(
         if valid.shape[1] < kv_length:  # the cache holds positions the 2D mask does not cover yet
             valid = torch.nn.functional.pad(valid, (0, kv_length - valid.shape[1]), value=True)
     return FlexpageMask(RowLayout(valid, shift, q_offset, kv_offset), q_length)
-
-
-@functools.lru_cache(maxsize=None)
-def recipe_for(sliding_window: int | None, softcap: float | None) -> Recipe:
-    """The recipe a layer's HF attention kwargs ask for (cached: recipes are immutable)."""
-    from recipes.sliding_window import sliding_window as window_recipe
-    from recipes.softcap import softcap as softcap_recipe
-
-    parts = [CAUSAL]
-    if sliding_window:
-        parts.append(window_recipe(int(sliding_window)))
-    if softcap:
-        parts.append(softcap_recipe(float(softcap)))
-    return parts[0] if len(parts) == 1 else compose(*parts)
 
 
 def flexpage_attention_forward(

@@ -1,0 +1,123 @@
+"""Which attention recipe each decoder layer runs: the one place a model's config becomes recipes.
+
+Both attention paths read it: the paged engine (:class:`~flexpage.model.runner.ModelRunner`
+builds the list once per model) and the HF backend (``attn_implementation="flexpage"``, which
+maps each call's HF keyword arguments through :func:`recipe_for`). A user's recipe replaces
+the model's (``LLM(recipe=...)``, ``EngineConfig.recipe``, ``flexpage serve --recipe``): one
+recipe for every layer, or one per layer. The block manager's layer groups follow the
+chosen recipes' declared ``window``, so a recipe that never looks back far releases blocks
+whatever the model's config says.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Union
+
+from flexpage.attention.recipe import CAUSAL, Recipe, compose
+from flexpage.core.layer_groups import layer_windows
+
+#: what a user may pass as a recipe: a Recipe, ``"module:attr"`` / ``"path/file.py[:attr]"``,
+#: or one of those per layer
+RecipeChoice = Union[Recipe, str, Sequence[Union[Recipe, str]], None]
+
+__all__ = ["RecipeChoice", "engine_recipes", "load_recipe", "model_recipes", "recipe_for"]
+
+
+@functools.lru_cache(maxsize=None)
+def recipe_for(sliding_window: int | None, softcap: float | None) -> Recipe:
+    """The recipe HF's attention keyword arguments ask for (cached: one object per choice, so
+    a model's layers share compiled kernels)."""
+    from flexpage.recipes.sliding_window import sliding_window as window_recipe
+    from flexpage.recipes.softcap import softcap as softcap_recipe
+
+    parts = [CAUSAL]
+    if sliding_window:
+        parts.append(window_recipe(int(sliding_window)))
+    if softcap:
+        parts.append(softcap_recipe(float(softcap)))
+    return parts[0] if len(parts) == 1 else compose(*parts)
+
+
+def model_recipes(config: Any) -> tuple[Recipe, ...]:
+    """One recipe per decoder layer, as the HF config describes the model's attention.
+
+    Causal everywhere, plus each layer's sliding window (``layer_types`` / ``sliding_window``)
+    and Gemma2's ``attn_logit_softcapping``; Bloom computes ALiBi in its own attention
+    module, so its layers get :func:`~flexpage.recipes.alibi.alibi`.
+    """
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(config, "model_type", None) == "bloom":
+        from flexpage.recipes.alibi import alibi
+
+        return (alibi(int(config.n_head)),) * int(text_config.num_hidden_layers)
+    softcap = getattr(text_config, "attn_logit_softcapping", None)
+    return tuple(recipe_for(window, softcap) for window in layer_windows(text_config))
+
+
+def load_recipe(spec: str) -> Recipe:
+    """A recipe named on the command line: ``"package.module:attr"`` or ``"path/to/file.py[:attr]"``.
+
+    ``attr`` is a :class:`Recipe` or a function called with no arguments that returns one;
+    a file without ``:attr`` must define exactly one module-level Recipe.
+    """
+    target, _, attr = spec.partition(":")
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise ValueError(f"recipe: {spec!r}: no file {path}")
+        module_spec = importlib.util.spec_from_file_location(f"flexpage_user_recipe_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        if not attr:
+            raise ValueError(f"recipe: got {spec!r}, expected 'package.module:attr' or 'path/to/file.py[:attr]'")
+        try:
+            module = importlib.import_module(target)
+        except ImportError as error:
+            raise ValueError(f"recipe: {spec!r}: cannot import {target!r} ({error})") from error
+    if not attr:
+        found = [value for value in vars(module).values() if isinstance(value, Recipe)]
+        if len(found) != 1:
+            raise ValueError(f"recipe: {spec!r} defines {len(found)} Recipe objects; name one as {target}:attr")
+        return found[0]
+    if not hasattr(module, attr):
+        raise ValueError(f"recipe: {spec!r}: {target} has no attribute {attr!r}")
+    value = getattr(module, attr)
+    recipe = value
+    if callable(value) and not isinstance(value, Recipe):
+        try:
+            recipe = value()
+        except TypeError as error:
+            raise ValueError(f"recipe: {spec!r} takes arguments ({error}); name a Recipe made with them") from error
+    if not isinstance(recipe, Recipe):
+        raise ValueError(f"recipe: {spec!r} gave a {type(recipe).__name__}, expected a Recipe "
+                         "(or a function of no arguments returning one)")
+    return recipe
+
+
+def engine_recipes(choice: RecipeChoice, config: Any) -> tuple[Recipe, ...]:
+    """The recipe of every decoder layer: the model's own (``choice`` None), one recipe for all
+    layers, or one per layer."""
+    recipes = model_recipes(config)
+    if choice is None:
+        return recipes
+    if isinstance(choice, (Recipe, str)):
+        return (_as_recipe(choice),) * len(recipes)
+    chosen = tuple(_as_recipe(c) for c in choice)
+    if len(chosen) != len(recipes):
+        raise ValueError(f"recipe: got {len(chosen)} recipes, expected one for all layers or one per layer "
+                         f"({len(recipes)})")
+    return chosen
+
+
+def _as_recipe(choice: Recipe | str) -> Recipe:
+    if isinstance(choice, Recipe):
+        return choice
+    if isinstance(choice, str):
+        return load_recipe(choice)
+    raise ValueError(f"recipe: got a {type(choice).__name__}, expected a Recipe or 'module:attr'")
