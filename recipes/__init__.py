@@ -5,6 +5,7 @@ Recipes never see pages; :mod:`flexpage.attention.paging` translates for them.
 """
 
 from flexpage.recipes.alibi import alibi
+from flexpage.recipes.attention_sinks import attention_sinks
 from flexpage.recipes.causal import causal
 from flexpage.recipes.chunked_local import chunked_local
 from flexpage.recipes.document import document_mask
@@ -13,4 +14,4 @@ from flexpage.recipes.sliding_window import sliding_window
 from flexpage.recipes.softcap import softcap
 from flexpage.attention.recipe import compose
 
-__all__ = ["alibi", "causal", "chunked_local", "compose", "document_mask", "prefix_lm", "sliding_window", "softcap"]
+__all__ = ["alibi", "attention_sinks", "causal", "chunked_local", "compose", "document_mask", "prefix_lm", "sliding_window", "softcap"]

@@ -188,6 +188,17 @@ class ChunkedLocal(DenseVariant):
 
 
 @dataclass
+class AttentionSinks(DenseVariant):
+    """Causal; the first ``sinks`` positions and the last ``window`` (StreamingLLM)."""
+
+    sinks: int
+    window: int
+
+    def mask(self, seq: int, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
+        return (kv_pos <= q_pos) & ((kv_pos < self.sinks) | (kv_pos > q_pos - self.window))
+
+
+@dataclass
 class Softcap(DenseVariant):
     cap: float
 

@@ -19,7 +19,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from flexpage import SamplingParams
 from flexpage.attention.recipe import Recipe
 from flexpage.model.layer_recipes import engine_recipes, load_recipe, model_recipes
-from flexpage.recipes import causal, chunked_local
+from flexpage.recipes import attention_sinks, causal, chunked_local
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -65,17 +65,19 @@ def engine_greedy(llm_factory, folder, recipe) -> tuple[list[int], object]:  # n
     return out[0].outputs[0].token_ids, llm.engine
 
 
-def test_chunked_local_recipe_generates_what_dense_attention_generates(tiny_model, llm_factory):
-    """Llama-4-style chunks of 8 over a 40-token prompt: every query sees only its chunk, and
-    the engine gives back the blocks behind it (the recipe declares a window)."""
+@pytest.mark.parametrize("recipe, window", [(chunked_local(8), 8), (attention_sinks(4, 8), None)],
+                         ids=["chunked_local", "attention_sinks"])
+def test_a_recipe_generates_what_dense_attention_generates(tiny_model, llm_factory, recipe, window):
+    """Over a 40-token prompt: Llama-4-style chunks of 8 (the recipe declares a window, so the
+    engine gives back the blocks behind it) and StreamingLLM's 4 sinks + a window of 8 (the
+    sinks stay: nothing is released)."""
     folder = tiny_model("llama")
-    recipe = chunked_local(8)
     expected = dense_greedy(folder, (recipe, recipe))
     assert expected != dense_greedy(folder, model_recipes(load_reference(folder).config)), "indistinguishable"
     got, engine = engine_greedy(llm_factory, folder, recipe)
     assert got == expected
-    assert [g.window for g in engine.layer_groups] == [8]
-    assert engine.block_manager.num_released(0, len(PROMPT)) > 0
+    assert [g.window for g in engine.layer_groups] == [window]
+    assert (engine.block_manager.num_released(0, len(PROMPT)) > 0) == (window is not None)
 
 
 def test_two_recipes_with_one_name_never_share_kernels(tiny_model, llm_factory):

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from attention_reference import (
     Alibi,
+    AttentionSinks,
     BatchSpec,
     Both,
     Causal,
@@ -43,6 +44,7 @@ from attention_reference import (
 )
 from flexpage.attention.recipe import Recipe, causal_rule, compose
 from flexpage.recipes.alibi import alibi, alibi_slopes
+from flexpage.recipes.attention_sinks import attention_sinks
 from flexpage.recipes.causal import causal
 from flexpage.recipes.chunked_local import chunked_local
 from flexpage.recipes.document import document_mask
@@ -139,6 +141,7 @@ CASES = [
     Case("alibi", alibi(6), Alibi(6)),
     Case("sliding_window", sliding_window(24), SlidingWindow(24)),
     Case("chunked_local", chunked_local(24), ChunkedLocal(24)),
+    Case("attention_sinks", attention_sinks(20, 24), AttentionSinks(20, 24)),
     Case("softcap", softcap(2.0), Softcap(2.0), q_scale=4.0),
     Case("prefix_lm", prefix_lm(torch.tensor(PREFIX_LENGTHS)), PrefixLM(PREFIX_LENGTHS)),
     Case("document_mask", document_mask(torch.tensor(DOCUMENT_IDS)), Documents(DOCUMENT_IDS)),
