@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from flexpage.attention import _cpu_template_tuning
+from flexpage.attention import _cpu_template_tuning, torch_patches
 from flexpage.attention.flex import VEC_ISA_OPTION, call_compiled, isa_kernel_options, kernel_options_for
 
 
@@ -37,6 +37,7 @@ def test_more_variants_than_dynamos_default_limit_compile_and_the_limit_stays_pu
 def test_kernel_options_name_the_tuned_template_and_the_vector_isa():
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
+    assert torch_patches.install().active  # the tested torch: both patches go in
     options = kernel_options_for(torch.device("cpu"), {"PARTITION_SIZE": 512})
     assert options == {"PARTITION_SIZE": 512, VEC_ISA_OPTION: str(pick_vec_isa()),
                        _cpu_template_tuning.TUNED_OPTION: _cpu_template_tuning.TUNING_VERSION}
@@ -50,3 +51,37 @@ def test_a_process_limited_to_avx2_compiles_under_another_key():
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str({VEC_ISA_OPTION: "avx2"})
+
+
+_STOCK_RUN = """
+import warnings
+import torch
+from attention_reference import BatchSpec, Geometry, PagedCase, rel_err
+from flexpage.attention import _cpu_template_tuning, torch_patches
+from flexpage.attention.flex import kernel_options_for
+from flexpage.recipes import causal
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    status = torch_patches.install()
+assert not status.active and status.reason == "FLEXPAGE_TORCH_PATCHES=0", status
+assert [str(w.message) for w in caught if "stock CPU FlexAttention" in str(w.message)], caught
+assert _cpu_template_tuning.TUNED_OPTION not in kernel_options_for(torch.device("cpu"), None)
+spec = BatchSpec("mixed", seq_lens=(40, 70), query_lens=(1, 37))
+geometry = Geometry("bf16", torch.bfloat16, q_heads=6, kv_heads=2, head_dim=64, tol=3e-2)
+case = PagedCase(spec, geometry, causal(), page_size=16, num_pages=16, width=8, seed=0)
+err = rel_err(case.run(compile=True), case.reference())
+assert err < geometry.tol, err
+print("ok")
+"""
+
+
+def test_without_the_patches_stock_kernels_run_and_are_correct(tmp_path):
+    """``FLEXPAGE_TORCH_PATCHES=0`` (as an untested torch or a changed template would): one warning,
+    no tuned-template option, and a compiled paged call (decode and prefill rows) still matches
+    the dense reference. A fresh process, since the patches are process-wide, and its own
+    compile cache, so no stock kernel is ever stored where tuned ones are looked up."""
+    env = {**os.environ, "FLEXPAGE_TORCH_PATCHES": "0", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", _STOCK_RUN], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

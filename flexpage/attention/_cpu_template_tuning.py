@@ -241,8 +241,9 @@ _lowering: contextvars.ContextVar[_Lowering] = contextvars.ContextVar(
     "flexpage_lowering", default=_Lowering(False, False))
 
 
-def apply() -> None:
-    """Install the hooks once; a no-op (stock kernels, still correct) if PyTorch's template changed."""
+def apply() -> bool:
+    """Install the hooks once (see :func:`flexpage.attention.torch_patches.install`); returns
+    whether they are installed: not if PyTorch's template text changed (stock kernels, still correct)."""
     import torch._inductor.graph  # noqa: F401  (imports the codegen modules in an order that works)
     from torch._inductor import lowering
     from torch._inductor.codegen import cpp_flex_attention_template as template_module
@@ -250,10 +251,10 @@ def apply() -> None:
 
     template_cls = template_module.CppFlexAttentionTemplate
     if getattr(template_cls, "_flexpage_tuning", False):
-        return
+        return True
     stock_template = template_module.FLEX_ATTENTION_TEMPLATE
     if any(stock_template.count(old) != 1 for old, _ in (*_LEAN_EDITS, (_STOCK_PV_BRANCH, None))):
-        return
+        return False
     lean_template = stock_template
     for old, new in _LEAN_EDITS:
         lean_template = lean_template.replace(old, new)
@@ -315,6 +316,15 @@ def apply() -> None:
     template_cls.choose_flex_template = choose_flex_template
     template_cls.micro_gemm_define = micro_gemm_define
     template_cls._flexpage_tuning = True
+    return True
+
+
+def installed() -> bool:
+    """Whether :func:`apply` has installed the hooks in this process."""
+    import torch._inductor.graph  # noqa: F401  (imports the codegen modules in an order that works)
+    from torch._inductor.codegen import cpp_flex_attention_template as template_module
+
+    return bool(getattr(template_module.CppFlexAttentionTemplate, "_flexpage_tuning", False))
 
 
 def _is_reduced(template: Any) -> bool:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from flexpage.attention import _inductor_fix
+from flexpage.attention import torch_patches
 from flexpage.attention.flex import call_compiled, isa_kernel_options
 from flexpage.attention.recipe import Recipe
 
@@ -103,7 +103,6 @@ def _contiguous_attention(
                           enable_gqa=q.shape[1] != k.shape[1], kernel_options=kernel_options)
 
 
-_inductor_fix.apply()
 # static by default (floats such as a soft-cap stay constants), with the per-call sizes marked dynamic
 _compiled_contiguous_attention = torch.compile(_contiguous_attention, dynamic=False, fullgraph=True)
 
@@ -124,6 +123,7 @@ def contiguous_attention(
     mask = mask or build_contiguous_mask(layout, q.shape[2], recipe)
     fn = _compiled_contiguous_attention if compile else _contiguous_attention
     if compile:
+        torch_patches.install()
         _mark_dynamic(q, k, v, mask, layout)
     return call_compiled(
         fn, q, k, v, mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,

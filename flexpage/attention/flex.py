@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from flexpage.attention import _cpu_template_tuning, _inductor_fix
+from flexpage.attention import _cpu_template_tuning, torch_patches
 from flexpage.attention.errors import check_arg
 from flexpage.attention.paging import AttentionGroup, PagedBatch
 from flexpage.attention.recipe import Recipe
@@ -195,13 +195,11 @@ def kernel_options_for(device: torch.device, kernel_options: dict | None) -> dic
     """The kernel options of flexpage's paged kernels: the caller's, the ISA, and on the CPU
     the tuned template (see :mod:`flexpage.attention._cpu_template_tuning`)."""
     options = {**(kernel_options or {}), **isa_kernel_options(device)}
-    if device.type == "cpu":
+    if device.type == "cpu" and torch_patches.tuning_active():  # stock kernels keep a key of their own
         options.setdefault(_cpu_template_tuning.TUNED_OPTION, _cpu_template_tuning.TUNING_VERSION)
     return options
 
 
-_inductor_fix.apply()
-_cpu_template_tuning.apply()
 
 def raised_compile_limits() -> contextlib.AbstractContextManager:
     """Dynamo's recompile limits raised for flexpage's shared compiled attention, as a context manager.
@@ -261,6 +259,8 @@ class FlexRunner:
         self.recipe = recipe
         self.compile = compile
         self.scale = scale
+        if compile:
+            torch_patches.install()
         self.kernel_options = kernel_options
         self._options: dict[torch.device, dict] = {}  # kernel_options_for, per device (built once, not per call)
 

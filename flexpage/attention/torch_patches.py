@@ -1,0 +1,70 @@
+"""The two changes flexpage makes inside PyTorch's Inductor, installed explicitly and safely.
+
+* :mod:`~flexpage.attention._inductor_fix`: a size-symbol name clash in the CPU FlexAttention
+  template, which makes paged mask mods fail to compile;
+* :mod:`~flexpage.attention._cpu_template_tuning`: the tuned CPU template for paged attention
+  (opt-in per kernel through its kernel option).
+
+Both rewrite private PyTorch code, so :func:`install` applies them only on the torch
+versions they were written and tested against (:data:`TESTED_TORCH`, which pyproject's
+torch range matches), only when every private symbol and template text they touch is
+present, and not when ``FLEXPAGE_TORCH_PATCHES=0``. Otherwise flexpage runs PyTorch's stock
+kernels (correct; slower for paged attention, and a long paged mask may hit the name clash)
+after one warning that says why. The compiled attention paths call it before their first
+compile (``FlexRunner``, ``contiguous_attention``); ``import flexpage`` changes nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from flexpage.attention import _cpu_template_tuning, _inductor_fix
+
+#: torch versions (major.minor) the patches were written and tested against
+TESTED_TORCH = ("2.13",)
+#: set to 0 to run PyTorch's stock kernels
+ENV_SWITCH = "FLEXPAGE_TORCH_PATCHES"
+
+
+@dataclass(frozen=True)
+class PatchStatus:
+    """What :func:`install` did: ``active`` when both patches are in; else ``reason``."""
+
+    active: bool
+    reason: str = ""
+
+
+@functools.cache  # once per process: the patches are process-wide and idempotent
+def install() -> PatchStatus:
+    reason = _reason_not_to_patch()
+    if not reason:
+        try:
+            _inductor_fix.apply()
+            if not _cpu_template_tuning.apply():
+                reason = "PyTorch's CPU FlexAttention template text is not the one the tuning edits"
+        except (ImportError, AttributeError) as error:
+            reason = f"a private PyTorch symbol the patches touch is missing ({error})"
+    if reason:
+        warnings.warn(f"flexpage: {reason}; running PyTorch's stock CPU FlexAttention kernels (correct, slower "
+                      "for paged attention)", RuntimeWarning, stacklevel=3)
+        return PatchStatus(False, reason)
+    return PatchStatus(True)
+
+
+def tuning_active() -> bool:
+    """Whether compiled kernels may ask for the tuned template (its option is then part of their cache key)."""
+    return _cpu_template_tuning.installed()
+
+
+def _reason_not_to_patch() -> str:
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return f"{ENV_SWITCH}=0"
+    version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    if version not in TESTED_TORCH:
+        return f"torch {torch.__version__} is not a version the patches were tested with ({', '.join(TESTED_TORCH)})"
+    return ""
