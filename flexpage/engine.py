@@ -19,6 +19,7 @@ from flexpage.config import EngineConfig, parse_size
 from flexpage.core.block_manager import BlockManager
 from flexpage.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from flexpage.core.sequence import Sequence, SequenceStatus
+from flexpage.errors import InvalidParameter
 from flexpage.model.detokenizer import IncrementalDetokenizer
 from flexpage.model.loader import default_dtype, load_hf_model, load_tokenizer, parse_dtype, resolve_model_path
 from flexpage.model.layer_recipes import engine_recipes
@@ -114,7 +115,7 @@ class LLMEngine:
         """Tokenise and check one prompt without queueing it: ``{"prompt", "prompt_token_ids"}``."""
         text, token_ids = self._tokenize(prompt)
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(
+            raise InvalidParameter("prompt",
                 f"prompt: {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
                 "(the prompt plus at least one generated token must fit)"
             )
@@ -125,12 +126,13 @@ class LLMEngine:
         """Validate and queue one request; raises ValueError before anything is scheduled."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params: got {type(params).__name__}, expected SamplingParams")
+            raise InvalidParameter("sampling_params",
+                                   f"sampling_params: got {type(params).__name__}, expected SamplingParams")
         prepared = self.prepare_prompt(prompt)
         text, token_ids = prepared["prompt"], prepared["prompt_token_ids"]
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         if request_id in self.requests:
-            raise ValueError(f"request_id: {request_id!r} is already in flight")
+            raise InvalidParameter("request_id", f"request_id: {request_id!r} is already in flight")
         request = Request(request_id, text, token_ids, params, time.monotonic())
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
         seq = Sequence(next(self._seq_ids), token_ids, max_tokens=max_tokens, request=request)
@@ -146,21 +148,25 @@ class LLMEngine:
                 return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return self._tokenize(prompt["prompt"])
-            raise ValueError(f"prompt: dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+            raise InvalidParameter("prompt",
+                                   f"prompt: dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt: got an empty string")
+                raise InvalidParameter("prompt", "prompt: got an empty string")
             return prompt, self.tokenizer(prompt, add_special_tokens=True).input_ids
         if isinstance(prompt, (list, tuple)):
             return None, self._check_ids(prompt)
-        raise ValueError(f"prompt: got {type(prompt).__name__}, expected str, list of token ids or dict")
+        raise InvalidParameter("prompt",
+                               f"prompt: got {type(prompt).__name__}, expected str, list of token ids or dict")
 
     def _check_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, (list, tuple)) or not ids:
-            raise ValueError(f"prompt_token_ids: got {ids!r}, expected a non-empty list of ints")
+            raise InvalidParameter("prompt_token_ids",
+                                   f"prompt_token_ids: got {ids!r}, expected a non-empty list of ints")
         for t in ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt_token_ids: got {t!r}, expected ints in [0, {self.vocab_size})")
+                raise InvalidParameter("prompt_token_ids",
+                                       f"prompt_token_ids: got {t!r}, expected ints in [0, {self.vocab_size})")
         return list(ids)
 
     def _attach_sample(self, request: Request, seq: Sequence) -> None:

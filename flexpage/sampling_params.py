@@ -20,6 +20,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+from flexpage.errors import InvalidParameter
+
 __all__ = ["SamplingParams", "MAX_LOGPROBS"]
 
 #: Largest ``logprobs`` value accepted (same cap as the OpenAI API).
@@ -36,22 +38,22 @@ def _is_real(value: Any) -> bool:
 
 def _require_int(name: str, value: Any) -> int:
     if not _is_int(value):
-        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        raise InvalidParameter(name, f"{name} must be an int, got {value!r} ({type(value).__name__})")
     return int(value)
 
 
 def _require_float(name: str, value: Any) -> float:
     if not _is_real(value):
-        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+        raise InvalidParameter(name, f"{name} must be a number, got {value!r} ({type(value).__name__})")
     value = float(value)
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
+        raise InvalidParameter(name, f"{name} must be finite, got {value!r}")
     return value
 
 
 def _require_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+        raise InvalidParameter(name, f"{name} must be a bool, got {value!r} ({type(value).__name__})")
     return value
 
 
@@ -99,33 +101,34 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.n = _require_int("n", self.n)
         if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n!r}")
+            raise InvalidParameter("n", f"n must be >= 1, got {self.n!r}")
 
         self.temperature = _require_float("temperature", self.temperature)
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise InvalidParameter("temperature", f"temperature must be >= 0, got {self.temperature!r}")
 
         self.top_p = _require_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidParameter("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
 
         self.top_k = _require_int("top_k", self.top_k)
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k!r}")
+            raise InvalidParameter("top_k", f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k!r}")
 
         self.min_p = _require_float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise InvalidParameter("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
 
         for name in ("presence_penalty", "frequency_penalty"):
             value = _require_float(name, getattr(self, name))
             if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+                raise InvalidParameter(name, f"{name} must be in [-2, 2], got {value!r}")
             setattr(self, name, value)
 
         self.repetition_penalty = _require_float("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+            raise InvalidParameter("repetition_penalty",
+                                   f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
 
         if self.seed is not None:
             self.seed = _require_int("seed", self.seed)
@@ -136,13 +139,13 @@ class SamplingParams:
         if self.max_tokens is not None:
             self.max_tokens = _require_int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
-                raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens!r}")
+                raise InvalidParameter("max_tokens", f"max_tokens must be >= 1 or None, got {self.max_tokens!r}")
 
         self.min_tokens = _require_int("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+            raise InvalidParameter("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
+            raise InvalidParameter("min_tokens",
                 f"min_tokens must be <= max_tokens ({self.max_tokens!r}), got {self.min_tokens!r}"
             )
 
@@ -152,7 +155,7 @@ class SamplingParams:
         if self.logprobs is not None:
             self.logprobs = _require_int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(
+                raise InvalidParameter("logprobs",
                     f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"
                 )
 
@@ -165,16 +168,16 @@ class SamplingParams:
         elif isinstance(stop, (list, tuple)):
             items = list(stop)
         else:
-            raise ValueError(
+            raise InvalidParameter("stop",
                 f"stop must be a str, a list of str or None, got {stop!r} ({type(stop).__name__})"
             )
         for s in items:
             if not isinstance(s, str):
-                raise ValueError(
+                raise InvalidParameter("stop",
                     f"stop must contain only str, got {s!r} ({type(s).__name__}) in {stop!r}"
                 )
             if s == "":
-                raise ValueError(f"stop must not contain empty strings, got {stop!r}")
+                raise InvalidParameter("stop", f"stop must not contain empty strings, got {stop!r}")
         return items
 
     @staticmethod
@@ -182,17 +185,17 @@ class SamplingParams:
         if ids is None:
             return []
         if not isinstance(ids, (list, tuple)):
-            raise ValueError(
+            raise InvalidParameter("stop_token_ids",
                 f"stop_token_ids must be a list of int or None, got {ids!r} ({type(ids).__name__})"
             )
         out: list[int] = []
         for t in ids:
             if not _is_int(t):
-                raise ValueError(
+                raise InvalidParameter("stop_token_ids",
                     f"stop_token_ids must contain only int, got {t!r} ({type(t).__name__}) in {ids!r}"
                 )
             if t < 0:
-                raise ValueError(f"stop_token_ids must be >= 0, got {t!r} in {ids!r}")
+                raise InvalidParameter("stop_token_ids", f"stop_token_ids must be >= 0, got {t!r} in {ids!r}")
             out.append(int(t))
         return out
 

@@ -2,6 +2,7 @@ import dataclasses
 
 import pytest
 
+from flexpage.errors import InvalidParameter
 from flexpage.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
@@ -121,10 +122,12 @@ def test_valid(kwargs):
     ],
 )
 def test_invalid_raises_naming_field(field, value, extra):
-    with pytest.raises(ValueError) as exc:
+    """The error names the field twice: in its message, and as ``param`` (what the server
+    reports as the OpenAI error's ``param``, taken from where the check is made)."""
+    with pytest.raises(InvalidParameter) as exc:
         SamplingParams(**{field: value}, **extra)
     msg = str(exc.value)
-    assert field in msg
+    assert exc.value.param == field and field in msg
     assert repr(value) in msg or str(value) in msg
 
 

@@ -20,7 +20,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,8 +28,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from flexpage.errors import InvalidParameter
 from flexpage.sampling_params import MAX_LOGPROBS, SamplingParams
-from flexpage.server.engine_loop import Accepted, Delta, EngineLoop, Failed, SampleDelta, Sink, _param_of
+from flexpage.server.engine_loop import Accepted, Delta, EngineLoop, Failed, SampleDelta, Sink
 from flexpage.server.metrics import CONTENT_TYPE, ServerMetrics
 from flexpage.server.protocol import (
     APIError,
@@ -47,6 +48,8 @@ log = logging.getLogger("flexpage.server")
 MAX_N = 128
 _KNOWN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
 
 @dataclass
 class ServerState:
@@ -174,7 +177,7 @@ def _error_response(error: APIError) -> JSONResponse:
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def _parse(model: type[BaseModel], body: bytes) -> Any:
+def _parse(model: type[RequestT], body: bytes) -> RequestT:
     if not body.strip():
         raise APIError(400, "request body is empty; expected a JSON object", code="invalid_json")
     try:
@@ -204,8 +207,8 @@ def _sampling_params(req: Any, max_tokens: int | None, logprobs: int | None) -> 
         kwargs[name] = default if value is None else value
     try:
         return SamplingParams(**kwargs)
-    except ValueError as error:
-        raise APIError(400, str(error), param=_param_of(str(error)), code="invalid_value") from None
+    except InvalidParameter as error:
+        raise APIError(400, str(error), param=error.param, code="invalid_value") from None
 
 
 def _check_length(state: ServerState, num_prompt: int, params: SamplingParams, what: str) -> None:
@@ -446,12 +449,17 @@ def build_app(state: ServerState) -> Any:
         _check_model(state, model_id)
         return model_card()
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
+    async def read_request(request: Request, model: type[RequestT]) -> tuple[RequestT, float]:
+        """What both generation endpoints do first: note the arrival, parse and check the body."""
         arrival = time.monotonic()
-        req: CompletionRequest = _parse(CompletionRequest, await request.body())
+        req = _parse(model, await request.body())
         _check_model(state, req.model)
         unsupported_fields(req)
+        return req, arrival
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req, arrival = await read_request(request, CompletionRequest)
         params = _sampling_params(req, req.max_tokens, req.logprobs)
         prompts = await _completion_prompts(state, req.prompt)
         for _, ids in prompts:
@@ -462,10 +470,7 @@ def build_app(state: ServerState) -> Any:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        arrival = time.monotonic()
-        req: ChatCompletionRequest = _parse(ChatCompletionRequest, await request.body())
-        _check_model(state, req.model)
-        unsupported_fields(req)
+        req, arrival = await read_request(request, ChatCompletionRequest)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
                            param="top_logprobs", code="invalid_value")

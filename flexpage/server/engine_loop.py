@@ -264,7 +264,7 @@ class EngineLoop:
             try:
                 self.engine.add_request(prompt, params, request_id)
             except ValueError as error:
-                self._post(sink, Failed(tag, str(error), client_error=True, param=_param_of(str(error))))
+                self._post(sink, Failed(tag, str(error), client_error=True, param=getattr(error, "param", None)))
                 return
             except Exception as error:  # noqa: BLE001 - reported to the client as a 500
                 log.error("add_request failed:\n%s", traceback.format_exc())
@@ -333,14 +333,3 @@ class EngineLoop:
             if self.metrics is not None:
                 self.metrics.observe_finish(out.outputs[0].finish_reason if out.outputs else None)
                 self.metrics.e2e.observe(now - live.arrival)
-
-
-_PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                "repetition_penalty", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "ignore_eos",
-                "logprobs", "skip_special_tokens", "prompt", "prompt_token_ids")
-
-
-def _param_of(message: str) -> str | None:
-    """The field a flexpage ``ValueError`` names (its messages start with it)."""
-    head = message.split(":", 1)[0].split(" ", 1)[0]
-    return head if head in _PARAM_NAMES else None
