@@ -33,7 +33,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 from flexpage.outputs import Logprob, RequestOutput
 
@@ -109,6 +109,35 @@ class _Live:
     last_token_time: float | None = None
 
 
+# -- commands: what the server's threads ask of the engine thread ---------------------------
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt: Any
+    params: Any
+    sink: Sink
+    tag: Any
+    arrival: float
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class AbortAll:
+    message: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+Command = Union[AddRequest, Abort, AbortAll, Stop]
+
+
 class EngineLoop:
     """Runs ``engine`` in its own thread; see the module docstring."""
 
@@ -121,7 +150,7 @@ class EngineLoop:
         self.stats_interval = stats_interval
         self.fatal_errors = 0
         self.steps = 0
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
         self._outbox: list[tuple[Sink, Any]] = []
         self._started = threading.Event()
@@ -173,20 +202,20 @@ class EngineLoop:
     def add(self, request_id: str, prompt: Any, params: Any, sink: Sink, *, tag: Any = None,
             arrival: float | None = None) -> None:
         """Queue a request; ``sink`` gets :class:`Accepted` or :class:`Failed`, then :class:`Delta` items."""
-        self._commands.put(("add", request_id, prompt, params, sink, tag,
-                            time.monotonic() if arrival is None else arrival))
+        self._commands.put(AddRequest(request_id, prompt, params, sink, tag,
+                                      time.monotonic() if arrival is None else arrival))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent; unknown or finished ids are ignored)."""
-        self._commands.put(("abort", request_id))
+        self._commands.put(Abort(request_id))
 
     def abort_all(self, message: str = "the server is shutting down") -> None:
         """Abort every live request; each gets a :class:`Failed` item."""
-        self._commands.put(("abort_all", message))
+        self._commands.put(AbortAll(message))
 
     def stop(self, timeout: float = 10.0) -> None:
         """Abort what is left, end the thread and wait for it (bounded)."""
-        self._commands.put(("stop",))
+        self._commands.put(Stop())
         self._started.set()  # a built thread that was never started still has to see "stop"
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -205,7 +234,7 @@ class EngineLoop:
                 command = None
             while command is not None:
                 handled = True
-                if command[0] == "stop":
+                if isinstance(command, Stop):
                     self._abort_all("the server is shutting down")
                     self._flush()
                     self._refresh_stats()
@@ -257,29 +286,31 @@ class EngineLoop:
         except Exception:  # pragma: no cover - stats must never take the loop down
             log.exception("engine.stats() failed")
 
-    def _handle(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, request_id, prompt, params, sink, tag, arrival = command
-            try:
-                self.engine.add_request(prompt, params, request_id)
-            except ValueError as error:
-                self._post(sink, Failed(tag, str(error), client_error=True, param=getattr(error, "param", None)))
-                return
-            except Exception as error:  # noqa: BLE001 - reported to the client as a 500
-                log.error("add_request failed:\n%s", traceback.format_exc())
-                self._post(sink, Failed(tag, f"internal error: {type(error).__name__}: {error}"))
-                return
-            request = self.engine.requests.get(request_id)
-            live = _Live(sink, tag, arrival, num_prompt_tokens=len(request.prompt_token_ids) if request else 0)
-            self._live[request_id] = live
-            self._post(sink, Accepted(tag))
-        elif kind == "abort":
-            live = self._live.pop(command[1], None)
-            if live is not None and self._abort_engine(command[1]) and self.metrics is not None:
+    def _handle(self, command: Command) -> None:
+        if isinstance(command, AddRequest):
+            self._add(command)
+        elif isinstance(command, Abort):
+            live = self._live.pop(command.request_id, None)
+            if live is not None and self._abort_engine(command.request_id) and self.metrics is not None:
                 self.metrics.observe_finish("abort")
-        elif kind == "abort_all":
-            self._abort_all(command[1])
+        elif isinstance(command, AbortAll):
+            self._abort_all(command.message)
+
+    def _add(self, command: AddRequest) -> None:
+        sink, tag = command.sink, command.tag
+        try:
+            self.engine.add_request(command.prompt, command.params, command.request_id)
+        except ValueError as error:  # the request's fault: InvalidParameter names the field
+            self._post(sink, Failed(tag, str(error), client_error=True, param=getattr(error, "param", None)))
+            return
+        except Exception as error:  # noqa: BLE001 - reported to the client as a 500
+            log.error("add_request failed:\n%s", traceback.format_exc())
+            self._post(sink, Failed(tag, f"internal error: {type(error).__name__}: {error}"))
+            return
+        request = self.engine.requests.get(command.request_id)
+        self._live[command.request_id] = _Live(sink, tag, command.arrival,
+                                               num_prompt_tokens=len(request.prompt_token_ids) if request else 0)
+        self._post(sink, Accepted(tag))
 
     def _abort_engine(self, request_id: str) -> bool:
         try:
