@@ -1,0 +1,122 @@
+"""The pure-ASGI guard in front of the app: API key for ``/v1/*``, 503 while draining, and the
+body-size cap (checked on ``Content-Length`` and while a chunked body streams in)."""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any, Callable
+
+from fastapi.responses import JSONResponse
+
+from flexpage.server.protocol import APIError
+from flexpage.server.state import ServerState
+
+__all__ = ["Guard", "error_response"]
+
+_KNOWN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+
+class Guard:
+    """Auth, draining and body-size checks before FastAPI parses anything."""
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        status = [500]
+
+        async def counted_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if path.startswith("/v1"):
+                await self._guarded(scope, receive, counted_send)
+            else:
+                await self.app(scope, receive, counted_send)
+        finally:
+            if self.state.metrics is not None:
+                self.state.metrics.http.labels(path if path in _KNOWN_PATHS else "other", str(status[0])).inc()
+
+    async def _guarded(self, scope: dict, receive: Callable, send: Callable) -> None:
+        state = self.state
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if state.api_key is not None:
+            scheme, _, credential = headers.get("authorization", "").strip().partition(" ")
+            token = credential.strip() if scheme.lower() == "bearer" else ""
+            if not hmac.compare_digest(token.encode(), state.api_key.encode()):
+                if token:
+                    message = "invalid API key"
+                elif scheme and scheme.lower() != "bearer":
+                    message = f"unsupported authorization scheme {scheme[:20]!r} (send 'Authorization: Bearer <key>')"
+                else:
+                    message = "missing API key (send 'Authorization: Bearer <key>')"
+                await _send_error(send, APIError(401, message, type="authentication_error", code="invalid_api_key",
+                                                 headers={"www-authenticate": "Bearer"}))
+                return
+        if state.draining:
+            await _send_error(send, APIError(503, "the server is shutting down", type="service_unavailable",
+                                             code="shutting_down"))
+            return
+        limit = state.max_body_bytes
+        declared = headers.get("content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+            await _send_error(send, _too_large(int(declared), limit), close=True)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await _send_error(send, _too_large(size, limit, at_least=True), close=True)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        state.inflight += 1
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            state.inflight -= 1
+
+
+def _too_large(size: int, limit: int, at_least: bool = False) -> APIError:
+    got = f"at least {size}" if at_least else str(size)
+    return APIError(413, f"request body is {got} bytes; the limit is {limit} bytes (--max-request-body)",
+                    code="request_too_large")
+
+
+async def _send_error(send: Callable, error: APIError, close: bool = False) -> None:
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.encode(), v.encode()) for k, v in error.headers.items()]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
