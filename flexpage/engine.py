@@ -135,7 +135,7 @@ class LLMEngine:
             raise InvalidParameter("request_id", f"request_id: {request_id!r} is already in flight")
         request = Request(request_id, text, token_ids, params, time.monotonic())
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
-        seq = Sequence(next(self._seq_ids), token_ids, max_tokens=max_tokens, request=request)
+        seq = Sequence(next(self._seq_ids), token_ids, max_tokens=max_tokens, request=request, num_samples=params.n)
         self.scheduler.add(seq)
         self._attach_sample(request, seq)
         self.requests[request_id] = request
@@ -277,7 +277,7 @@ class LLMEngine:
         self.scheduler.mark_computed(sched)
         if not sampled:
             return
-        rows, seqs = self._expand_parallel_samples(sampled)
+        rows, seqs = self._with_forked_samples(sampled)
         if len(rows) != len(sampled):  # n > 1 forked children share their parent's row
             logits = logits[rows]
         params = [s.request.params for s in seqs]
@@ -288,21 +288,17 @@ class LLMEngine:
         for i, (seq, token) in enumerate(zip(seqs, result.token_ids.tolist())):
             self._append(seq, token, result.logprobs[i] if result.logprobs else None, touched)
 
-    def _expand_parallel_samples(self, sampled: list[Sequence]) -> tuple[list[int], list[Sequence]]:
-        """n > 1: after the prompt's prefill, fork n-1 children sharing its blocks (copy-on-write)."""
-        rows: list[int] = []
-        seqs: list[Sequence] = []
-        for row, seq in enumerate(sampled):
+    def _with_forked_samples(self, sampled: list[Sequence]) -> tuple[list[int], list[Sequence]]:
+        """The scheduler forks n > 1 requests' siblings (see ``Scheduler.fork_parallel_samples``);
+        each new sibling becomes one more output of its request."""
+        rows, seqs = [], []
+        for row, seq in self.scheduler.fork_parallel_samples(sampled, lambda: next(self._seq_ids)):
             request: Request = seq.request
+            if seq not in request.seqs:
+                request.num_cached_tokens = seq.num_cached_tokens
+                self._attach_sample(request, seq)
             rows.append(row)
             seqs.append(seq)
-            if seq.num_output_tokens == 0 and len(request.seqs) < request.params.n and seq is request.seqs[0]:
-                request.num_cached_tokens = seq.num_cached_tokens
-                for _ in range(request.params.n - len(request.seqs)):
-                    child = self.scheduler.fork(seq, next(self._seq_ids))
-                    self._attach_sample(request, child)
-                    rows.append(row)
-                    seqs.append(child)
         return rows, seqs
 
     def _generator_of(self, seq: Sequence) -> torch.Generator | None:

@@ -260,6 +260,22 @@ def test_fork_copy_on_write_through_scheduler() -> None:
     assert_pool_full(sched.block_manager)
 
 
+def test_parallel_samples_fork_once_after_the_prompt_and_share_its_row() -> None:
+    """An n = 3 sequence forks its two siblings when its prompt is computed (the engine then
+    samples all three from the prompt's one logits row), and never again."""
+    sched = make(max_num_batched_tokens=32, max_model_len=32)
+    parent, other = Sequence(0, range(6), max_tokens=4, num_samples=3), Sequence(1, range(5), max_tokens=4)
+    for seq in (parent, other):
+        sched.add(seq)
+    Engine(sched).step(sample=False)
+    ids = iter(range(100, 200))
+    rows = sched.fork_parallel_samples([parent, other], lambda: next(ids))
+    assert [(row, seq.seq_id) for row, seq in rows] == [(0, 0), (0, 100), (0, 101), (1, 1)]
+    assert all(seq.block_table == parent.block_table for _, seq in rows[:3])
+    assert parent.samples_to_fork == 0 and all(seq.samples_to_fork == 0 for _, seq in rows)
+    assert sched.fork_parallel_samples([parent], lambda: next(ids)) == [(0, parent)]
+
+
 # -- abort, watermark, validation ---------------------------------------------------------
 
 

@@ -32,6 +32,7 @@ token to every sequence whose ``ScheduledSequence.sample`` is True; call
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from flexpage.core.block_manager import BlockManager
@@ -169,6 +170,22 @@ class Scheduler:
         self.running.insert(self.running.index(parent) + 1, child)
         self._seqs[child_seq_id] = child
         return child
+
+    def fork_parallel_samples(self, sampled: list[Sequence],
+                              new_seq_id: Callable[[], int]) -> list[tuple[int, Sequence]]:
+        """The rows to sample after a forward pass, as ``(logits row, sequence)``.
+
+        A sequence of an ``n > 1`` request whose prompt was just computed forks its ``n - 1``
+        siblings here (sharing its blocks, copy-on-write) so that all ``n`` sample from the
+        same logits row: the prompt is computed once.
+        """
+        rows: list[tuple[int, Sequence]] = []
+        for row, seq in enumerate(sampled):
+            rows.append((row, seq))
+            if seq.samples_to_fork and seq.num_output_tokens == 0:
+                rows += [(row, self.fork(seq, new_seq_id())) for _ in range(seq.samples_to_fork)]
+                seq.samples_to_fork = 0
+        return rows
 
     def mark_computed(self, output: SchedulerOutput) -> None:
         """After the forward pass: advance every scheduled, still-live sequence."""

@@ -78,6 +78,7 @@ class Sequence:
         "arrival_index",
         "max_tokens",
         "request",
+        "samples_to_fork",
     )
 
     def __init__(
@@ -88,6 +89,7 @@ class Sequence:
         max_tokens: int | None = None,
         request: Any = None,
         arrival_index: int | None = None,
+        num_samples: int = 1,
     ) -> None:
         token_ids = [int(t) for t in prompt_token_ids]
         if not token_ids:
@@ -112,6 +114,9 @@ class Sequence:
         self.arrival_index: int = next(_arrival_counter) if arrival_index is None else arrival_index
         self.max_tokens: int | None = max_tokens
         self.request: Any = request
+        #: parallel sampling (``n > 1``): siblings this sequence forks once its prompt is computed
+        #: (see :meth:`Scheduler.fork_parallel_samples`); 0 once forked and for every child
+        self.samples_to_fork: int = num_samples - 1
 
     # -- block tables --------------------------------------------------------
     @property
