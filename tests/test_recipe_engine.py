@@ -126,3 +126,22 @@ def test_one_recipe_per_layer_must_match_the_layer_count(tiny_model):
     assert engine_recipes(causal(), config) == (causal(),) * 2
     with pytest.raises(ValueError, match="one per layer"):
         engine_recipes([causal()] * 3, config)
+
+
+def test_hf_attention_arguments_must_match_the_models_own_recipes():
+    """HF's modules pass each call's window and soft cap; with the model's recipes they must ask
+    for exactly the layer's recipe (the block manager released blocks by it), with a user's
+    recipe the user's wins."""
+    from flexpage.model.layer_recipes import recipe_for
+    from flexpage.model.runner import PagedStep
+
+    windowed = recipe_for(12, None)
+    step = PagedStep(pool=None, block_tables=None, seq_lens=None, query_lens=None, compile=False,
+                     recipes=(windowed,), recipes_from_model=True)
+    assert step.recipe_of(0, 12, None) is windowed
+    with pytest.raises(ValueError, match="read wrong"):
+        step.recipe_of(0, None, None)
+    mine = chunked_local(8)
+    step = PagedStep(pool=None, block_tables=None, seq_lens=None, query_lens=None, compile=False,
+                     recipes=(mine,), recipes_from_model=False)
+    assert step.recipe_of(0, 12, None) is mine
