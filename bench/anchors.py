@@ -41,6 +41,7 @@ import numpy as np
 _STARTED = time.perf_counter()
 NUM_PROMPTS, OUTPUT_TOKENS, WARMUP_SEED, VOCAB_RANGE = 48, 64, 1234, (100, 49000)
 DEFAULT_OUT = Path("bench/results/anchors.json")
+DEFAULT_PLOT = Path("docs/img/anchors.png")
 DEFAULT_OV_MODEL = Path.home() / ".cache" / "flexpage" / "openvino" / "SmolLM2-135M-Instruct-fp16"
 METRICS = ("tok_s", "ttft16_ms", "prefill128_ms", "decode_ms", "ready_s", "peak_rss_mb")
 
@@ -143,17 +144,47 @@ def summarise(rounds: list[dict]) -> dict:
     return result
 
 
+def plot(result: dict, path: Path) -> None:
+    """flexpage / OpenVINO per metric, on a log scale: below 1 is flexpage ahead (lower is better for
+    every metric but throughput, which is drawn inverted so that the same holds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ratios = dict(result["flexpage_over_openvino"])
+    ratios["tok_s"] = 1 / ratios["tok_s"]
+    labels = {"tok_s": "workload\n(time per token)", "ttft16_ms": "TTFT\n16 tokens", "prefill128_ms": "batch 1\n128 prefill",
+              "decode_ms": "batch 1\ndecode", "ready_s": "start to\nready", "peak_rss_mb": "peak\nRSS"}
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.bar([labels[m] for m in METRICS], [ratios[m] for m in METRICS],
+           color=["tab:green" if ratios[m] <= 1 else "tab:red" for m in METRICS])
+    ax.axhline(1.0, color="k", linewidth=1)
+    ax.set_yscale("log")
+    ax.set_ylabel("flexpage / OpenVINO GenAI\n(lower is better)")
+    ax.set_title("flexpage vs OpenVINO GenAI, SmolLM2-135M, same machine and workload")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--openvino-python", default=os.environ.get("FLEXPAGE_OPENVINO_PYTHON"))
     p.add_argument("--openvino-model", type=Path, default=DEFAULT_OV_MODEL)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="ratio plot (written when OpenVINO ran)")
+    p.add_argument("--plot-only", action="store_true", help="redraw --plot from --out without running")
     p.add_argument("--worker", choices=("flexpage", "openvino"), help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         print(json.dumps(run_worker(args.worker, args.seed, str(args.openvino_model))))
+        return
+    if args.plot_only:
+        plot(json.loads(args.out.read_text()), args.plot)
         return
     engines = {"flexpage": sys.executable}
     if args.openvino_python:
@@ -175,6 +206,9 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
+    if "flexpage_over_openvino" in result:
+        plot(result, args.plot)
+        print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":
