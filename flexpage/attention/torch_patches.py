@@ -9,8 +9,9 @@ Both rewrite private PyTorch code, so :func:`install` applies them only on the t
 versions they were written and tested against (:data:`TESTED_TORCH`, which pyproject's
 torch range matches), only when every private symbol and template text they touch is
 present, and not when ``FLEXPAGE_TORCH_PATCHES=0``. Otherwise flexpage runs PyTorch's stock
-kernels (correct; slower for paged attention, and a long paged mask may hit the name clash)
-after one warning that says why. The compiled attention paths call it before their first
+kernels after one warning that says why: correct, but slower for paged attention; a long
+paged mask may hit the name clash; and on an AMX CPU whose kernels are compiled for AVX2
+(``ATEN_CPU_CAPABILITY=avx2``) the stock bf16 prefill kernel fails (it packs for AMX). The compiled attention paths call it before their first
 compile (``FlexRunner``, ``contiguous_attention``); ``import flexpage`` changes nothing.
 """
 
