@@ -394,6 +394,25 @@ def test_sliding_group_releases_blocks_out_of_every_window() -> None:
     assert s.used == 0 and s.free + s.cached == 19 and seq.block_tables == [[], []]
 
 
+def test_a_fresh_block_never_evicts_another_groups_prefix_hit() -> None:
+    """Full group 0 and sliding group 1 (window 6), nothing free: b's prefix hit revives two of
+    a's released sliding blocks while group 0 needs one fresh block, which must evict another
+    cached block, never a hit about to be revived (found by TestHybridMachine: block 10 sat
+    in both of b's tables, `[[1, 2, 3, 4, 10], [0, 0, 9, 10, 8]]`)."""
+    bm = BlockManager(13, 4, group_windows=(None, 6))
+    tokens = [3, 3, 3, 3] + [0] * 17
+    a = Sequence(0, tokens)
+    bm.allocate(a)
+    compute(bm, a)  # computed 21: sliding blocks 0-3 released and cached; every block in use or cached
+    assert bm.stats().free == 0 and bm.stats().cached == 4
+    b = Sequence(1, tokens[:17])
+    bm.allocate(b)
+    group0, group1 = b.block_tables
+    assert b.num_computed_tokens == 16 and group0[:4] == a.block_tables[0][:4] and group1[:2] == [0, 0]
+    assert not set(group0) & (set(group1) - {0})
+    assert all(bm.pool.ref_count(block) >= 1 for block in group0 + group1 if block)
+
+
 def test_sliding_only_prefix_hit_skips_released_blocks() -> None:
     """Window 6: a prefix hit of 3 blocks needs only the blocks a query at 12 still sees (1, 2);
     the dead first page starts out as the null block, so it is neither revived nor counted."""

@@ -274,11 +274,14 @@ class BlockManager:
         hits = self._cached_prefix(seq)
         if self._blocks_to_allocate(seq, hits) > self.pool.num_free_or_cached:
             raise NoFreeBlocksError(f"not enough blocks to allocate sequence {seq.seq_id}")
-        tables = []
+        # every group's hits first: a fresh block may evict the LRU cached block, which must not
+        # be a hit another group is about to revive (it would then sit in two groups' tables)
         for group_hits in hits:
             for block_id in group_hits:
                 if block_id != NULL_BLOCK_ID:
                     self.pool.incref(block_id)
+        tables = []
+        for group_hits in hits:
             table = list(group_hits)
             for _ in range(seq.num_blocks_needed(self.block_size) - len(group_hits)):
                 table.append(self._allocate_after(table))
