@@ -14,4 +14,5 @@ from flexpage.recipes.sliding_window import sliding_window
 from flexpage.recipes.softcap import softcap
 from flexpage.attention.recipe import compose
 
-__all__ = ["alibi", "attention_sinks", "causal", "chunked_local", "compose", "document_mask", "prefix_lm", "sliding_window", "softcap"]
+__all__ = ["alibi", "attention_sinks", "causal", "chunked_local", "compose", "document_mask", "prefix_lm",
+           "sliding_window", "softcap"]

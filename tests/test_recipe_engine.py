@@ -28,7 +28,8 @@ NEW_TOKENS = 8
 DENSE = "flexpage_test_dense_recipe"
 
 
-def dense_recipe_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):  # noqa: ANN001
+def dense_recipe_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,  # noqa: ANN001
+                           **kwargs):
     """One unpadded sequence, float64: the recipe of ``module.layer_idx`` over every position."""
     recipe: Recipe = module.config.flexpage_test_recipes[module.layer_idx]
     q_len, kv_len = query.shape[2], key.shape[2]

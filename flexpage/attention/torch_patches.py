@@ -11,8 +11,9 @@ torch range matches), only when every private symbol and template text they touc
 present, and not when ``FLEXPAGE_TORCH_PATCHES=0``. Otherwise flexpage runs PyTorch's stock
 kernels after one warning that says why: correct, but slower for paged attention; a long
 paged mask may hit the name clash; and on an AMX CPU whose kernels are compiled for AVX2
-(``ATEN_CPU_CAPABILITY=avx2``) the stock bf16 prefill kernel fails (it packs for AMX). The compiled attention paths call it before their first
-compile (``FlexRunner``, ``contiguous_attention``); ``import flexpage`` changes nothing.
+(``ATEN_CPU_CAPABILITY=avx2``) the stock bf16 prefill kernel fails (it packs for AMX). The
+compiled attention paths call it before their first compile (``FlexRunner``,
+``contiguous_attention``); ``import flexpage`` changes nothing.
 """
 
 from __future__ import annotations
