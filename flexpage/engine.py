@@ -261,11 +261,12 @@ class LLMEngine:
         for item in sched.scheduled:
             seq = item.seq
             inputs.token_ids.extend(item.token_ids)
-            inputs.block_tables.append(seq.block_table)
-            if len(seq.block_tables) > 1:  # one table per layer group
+            seq_tables = self.block_manager.block_tables(seq)
+            inputs.block_tables.append(seq_tables[0])
+            if len(seq_tables) > 1:  # one table per layer group
                 if not inputs.group_block_tables:
-                    inputs.group_block_tables = [[] for _ in seq.block_tables]
-                for tables, table in zip(inputs.group_block_tables, seq.block_tables):
+                    inputs.group_block_tables = [[] for _ in seq_tables]
+                for tables, table in zip(inputs.group_block_tables, seq_tables):
                     tables.append(table)
             inputs.seq_lens.append(item.start + item.num_new_tokens)
             inputs.query_lens.append(item.num_new_tokens)
@@ -388,7 +389,7 @@ class LLMEngine:
         filled: dict[int, int] = {}
         size = self.config.block_size
         for seq in self.scheduler.running:
-            for table in seq.block_tables:
+            for table in self.block_manager.block_tables(seq):
                 for i, block in enumerate(table):
                     if block == 0:  # given back by a sliding-window group
                         continue

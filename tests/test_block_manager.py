@@ -24,7 +24,7 @@ def compute(bm: BlockManager, seq: Sequence, n: int | None = None) -> list[tuple
     """Runner stand-in: reserve slots for the next n positions and mark them computed."""
     n = seq.num_uncomputed_tokens if n is None else n
     copies = bm.append_slots(seq, n)
-    bm.mark_computed(seq, n)
+    seq.num_computed_tokens = bm.mark_computed(seq, n)
     return copies
 
 
@@ -45,20 +45,19 @@ def test_allocate_and_grow() -> None:
     bm = BlockManager(10, 4)
     seq = Sequence(0, range(10))
     assert bm.can_allocate(seq)
-    bm.allocate(seq)
-    assert seq.block_table == [1, 2, 3]
-    assert (seq.num_computed_tokens, seq.num_cached_tokens) == (0, 0)
+    assert bm.allocate(seq) == 0  # tokens served from the prefix cache: none yet
+    assert bm.block_table(seq) == [1, 2, 3]
     assert compute(bm, seq) == []
     assert seq.num_computed_tokens == 10
     for tok, table in [(10, [1, 2, 3]), (11, [1, 2, 3]), (12, [1, 2, 3, 4])]:
         seq.append_token(tok)  # sampled; its KV is computed by the next step
         assert bm.append_slots(seq, 1) == []
-        bm.mark_computed(seq, 1)
-        assert seq.block_table == table
+        seq.num_computed_tokens = bm.mark_computed(seq, 1)
+        assert bm.block_table(seq) == table
     s = bm.stats()
     assert (s.total, s.free, s.cached, s.used) == (10, 5, 0, 4)
     # Blocks 1..3 are full and computed, so indexed; block 4 is partial.
-    assert [bm.pool.block_hash(b) is not None for b in seq.block_table] == [True, True, True, False]
+    assert [bm.pool.block_hash(b) is not None for b in bm.block_table(seq)] == [True, True, True, False]
 
 
 def test_growing_sequences_fill_whole_runs() -> None:
@@ -68,25 +67,25 @@ def test_growing_sequences_fill_whole_runs() -> None:
     bm = BlockManager(20, 4, run_length=4)
     a, b = Sequence(0, range(3)), Sequence(1, range(100, 103))
     for seq in (a, b):
-        bm.allocate(seq)
+        seq.num_computed_tokens = bm.allocate(seq)
         compute(bm, seq)
     for token in range(14):
         for seq in (a, b):
             seq.append_token(token)
             bm.append_slots(seq, 1)
-            bm.mark_computed(seq, 1)
-    assert a.block_table == [4, 5, 6, 7, 12]
-    assert b.block_table == [8, 9, 10, 11, 16]
+            seq.num_computed_tokens = bm.mark_computed(seq, 1)
+    assert bm.block_table(a) == [4, 5, 6, 7, 12]
+    assert bm.block_table(b) == [8, 9, 10, 11, 16]
 
 
 def test_runs_fall_back_to_loose_blocks_when_no_run_is_whole() -> None:
     bm = BlockManager(8, 4, run_length=4)  # run 0: blocks 1-3 (loose), run 1: blocks 4-7
     first = Sequence(0, range(8))
-    bm.allocate(first)
-    assert first.block_table == [4, 5]
+    first.num_computed_tokens = bm.allocate(first)
+    assert bm.block_table(first) == [4, 5]
     second = Sequence(1, range(100, 120))
-    bm.allocate(second)
-    assert sorted(second.block_table) == [1, 2, 3, 6, 7]
+    second.num_computed_tokens = bm.allocate(second)
+    assert sorted(bm.block_table(second)) == [1, 2, 3, 6, 7]
     bm.free(first)
     bm.free(second)
     assert bm.pool.num_free == 7 and bm.pool.num_free_runs == 1
@@ -95,12 +94,12 @@ def test_runs_fall_back_to_loose_blocks_when_no_run_is_whole() -> None:
 def test_prefix_hit_across_requests() -> None:
     bm = BlockManager(10, 4)
     a = Sequence(0, range(10))
-    bm.allocate(a)
+    a.num_computed_tokens = bm.allocate(a)
     compute(bm, a)
     b = Sequence(1, list(range(8)) + [50, 51])
-    bm.allocate(b)
-    assert b.block_table == [1, 2, 4]
-    assert (b.num_computed_tokens, b.num_cached_tokens) == (8, 8)
+    b.num_computed_tokens = bm.allocate(b)
+    assert bm.block_table(b) == [1, 2, 4]
+    assert b.num_computed_tokens == 8
     assert [bm.pool.ref_count(i) for i in (1, 2, 3, 4)] == [2, 2, 1, 1]
     s = bm.stats()
     assert (s.prefix_cache_queries, s.prefix_cache_hits, s.used, s.free) == (20, 8, 4, 5)
@@ -110,16 +109,16 @@ def test_prefix_hit_across_requests() -> None:
 def test_last_token_is_always_computed() -> None:
     bm = BlockManager(10, 4)
     a = Sequence(0, range(9))
-    bm.allocate(a)
+    a.num_computed_tokens = bm.allocate(a)
     compute(bm, a)  # blocks 1, 2 full and hashed
     exact = Sequence(1, range(8))  # same 2 full blocks, but the last token must be computed
     assert bm.num_cached_prefix_tokens(exact) == 4
-    bm.allocate(exact)
-    assert exact.block_table == [1, 4]
+    exact.num_computed_tokens = bm.allocate(exact)
+    assert bm.block_table(exact) == [1, 4]
     assert exact.num_computed_tokens == 4
     one_block = Sequence(2, range(4))
-    bm.allocate(one_block)
-    assert one_block.block_table == [5]
+    one_block.num_computed_tokens = bm.allocate(one_block)
+    assert bm.block_table(one_block) == [5]
     assert one_block.num_computed_tokens == 0
 
 
@@ -127,16 +126,17 @@ def test_shared_system_prompt_stored_once() -> None:
     bs, n_req = 16, 16
     bm = BlockManager(64, bs)
     system = list(range(1000, 1512))  # 512 tokens = 32 blocks
-    seqs = []
+    seqs, cached = [], []
     for i in range(n_req):
         seq = Sequence(i, system + [i * 10 + k for k in range(8)])  # 520 tokens -> 33 blocks
-        bm.allocate(seq)
+        seq.num_computed_tokens = bm.allocate(seq)
+        cached.append(seq.num_computed_tokens)
         compute(bm, seq)
         seqs.append(seq)
-    assert seqs[0].block_table == list(range(1, 34))
+    assert bm.block_table(seqs[0]) == list(range(1, 34))
+    assert cached == [0] + [512] * (n_req - 1)
     for i, seq in enumerate(seqs[1:], start=1):
-        assert seq.block_table == list(range(1, 33)) + [33 + i]
-        assert seq.num_cached_tokens == 512
+        assert bm.block_table(seq) == list(range(1, 33)) + [33 + i]
     s = bm.stats()
     assert s.used == 32 + n_req  # the prompt's 32 blocks once, plus one tail block each
     assert s.free == 63 - 48
@@ -151,25 +151,25 @@ def test_shared_system_prompt_stored_once() -> None:
 def test_cached_blocks_survive_free_and_evict_lru_tail_first() -> None:
     bm = BlockManager(6, 4)
     a = Sequence(0, range(9))
-    bm.allocate(a)
+    a.num_computed_tokens = bm.allocate(a)
     compute(bm, a)
     bm.free(a)
-    assert a.block_table == [] and a.num_computed_tokens == 0
+    assert bm.block_table(a) == [] and not bm.holds_blocks(a)
     bm.free(a)  # idempotent
     s = bm.stats()
     assert (s.free, s.cached, s.used) == (3, 2, 0)
     assert bm.pool.cached_block_ids() == [2, 1]  # a's tail is evicted before its head
 
     b = Sequence(1, range(100, 113))  # unrelated, 4 blocks: 3 free + 1 eviction
-    bm.allocate(b)
-    assert b.block_table == [4, 5, 3, 2]
+    b.num_computed_tokens = bm.allocate(b)
+    assert bm.block_table(b) == [4, 5, 3, 2]
     assert bm.stats().evictions == 1
     assert bm.pool.cached_block_ids() == [1]
     bm.free(b)  # never computed: nothing hashed, all go back to the free list
 
     c = Sequence(2, [0, 1, 2, 3, 7, 7])  # hits a's first block, which survived
-    bm.allocate(c)
-    assert c.block_table == [1, 2]
+    c.num_computed_tokens = bm.allocate(c)
+    assert bm.block_table(c) == [1, 2]
     assert c.num_computed_tokens == 4
     assert bm.stats().cached == 0  # block 1 was revived
 
@@ -178,15 +178,15 @@ def test_eviction_order_across_requests() -> None:
     bm = BlockManager(8, 4)
     a, b = Sequence(0, range(9)), Sequence(1, range(50, 59))
     for seq in (a, b):
-        bm.allocate(seq)
+        seq.num_computed_tokens = bm.allocate(seq)
         compute(bm, seq)
-    assert (a.block_table, b.block_table) == ([1, 2, 3], [4, 5, 6])
+    assert (bm.block_table(a), bm.block_table(b)) == ([1, 2, 3], [4, 5, 6])
     bm.free(a)
     bm.free(b)
     assert bm.pool.cached_block_ids() == [2, 1, 5, 4]
     big = Sequence(2, range(200, 220))  # 5 blocks: 3 free, then evict 2 LRU
-    bm.allocate(big)
-    assert big.block_table == [7, 3, 6, 2, 1]
+    big.num_computed_tokens = bm.allocate(big)
+    assert bm.block_table(big) == [7, 3, 6, 2, 1]
     assert bm.pool.cached_block_ids() == [5, 4]
     assert bm.stats().evictions == 2
 
@@ -194,13 +194,13 @@ def test_eviction_order_across_requests() -> None:
 def test_revive_whole_cached_prefix() -> None:
     bm = BlockManager(10, 4)
     a = Sequence(0, range(9))
-    bm.allocate(a)
+    a.num_computed_tokens = bm.allocate(a)
     compute(bm, a)
     bm.free(a)
     again = Sequence(1, range(9))
     assert bm.can_allocate(again)
-    bm.allocate(again)
-    assert again.block_table == [1, 2, 4]
+    again.num_computed_tokens = bm.allocate(again)
+    assert bm.block_table(again) == [1, 2, 4]
     assert bm.stats().cached == 0
     assert again.num_computed_tokens == 8
 
@@ -208,9 +208,9 @@ def test_revive_whole_cached_prefix() -> None:
 def test_concurrent_duplicate_prefix_is_not_double_indexed() -> None:
     bm = BlockManager(10, 4)
     a, b = Sequence(0, range(9)), Sequence(1, range(9))
-    bm.allocate(a)
-    bm.allocate(b)  # a not computed yet: no hit
-    assert (a.block_table, b.block_table) == ([1, 2, 3], [4, 5, 6])
+    a.num_computed_tokens = bm.allocate(a)
+    b.num_computed_tokens = bm.allocate(b)  # a not computed yet: no hit
+    assert (bm.block_table(a), bm.block_table(b)) == ([1, 2, 3], [4, 5, 6])
     compute(bm, a)
     compute(bm, b)
     assert bm.pool.block_hash(4) is None and bm.pool.block_hash(1) is not None
@@ -223,7 +223,7 @@ def test_concurrent_duplicate_prefix_is_not_double_indexed() -> None:
 def test_follow_up_chat_turn_hits_prompt_and_answer() -> None:
     bm = BlockManager(16, 4)
     turn1 = Sequence(0, range(6))
-    bm.allocate(turn1)
+    turn1.num_computed_tokens = bm.allocate(turn1)
     compute(bm, turn1)
     for tok in range(100, 106):  # sample 6 answer tokens, computing each previous one
         turn1.append_token(tok)
@@ -232,27 +232,26 @@ def test_follow_up_chat_turn_hits_prompt_and_answer() -> None:
     history = list(turn1.token_ids)
     bm.free(turn1)
     turn2 = Sequence(1, history + [7, 8, 9, 10, 11])
-    bm.allocate(turn2)
-    assert turn2.num_cached_tokens == 12  # prompt + the model's answer
-    assert turn2.block_table[:3] == [1, 2, 3]
+    assert bm.allocate(turn2) == 12  # cached: prompt + the model's answer
+    assert bm.block_table(turn2)[:3] == [1, 2, 3]
 
 
 def test_fork_copy_on_write() -> None:
     bm = BlockManager(10, 4)
     a = Sequence(0, range(6))
-    bm.allocate(a)
+    a.num_computed_tokens = bm.allocate(a)
     compute(bm, a)
     b = a.fork(1)
     bm.fork(a, b)
-    assert b.block_table == [1, 2] and b.num_computed_tokens == 6
+    assert bm.block_table(b) == [1, 2] and b.num_computed_tokens == 6
     assert [bm.pool.ref_count(i) for i in (1, 2)] == [2, 2]
     a.append_token(100)
     b.append_token(200)
     assert bm.can_append_slots(a, 1)
     assert bm.append_slots(a, 1) == [(2, 3)]  # a writes into shared partial block 2 -> copy
-    assert a.block_table == [1, 3]
+    assert bm.block_table(a) == [1, 3]
     assert bm.append_slots(b, 1) == []  # block 2 is b's alone now
-    assert b.block_table == [1, 2]
+    assert bm.block_table(b) == [1, 2]
     assert [bm.pool.ref_count(i) for i in (1, 2, 3)] == [2, 1, 1]
     bm.free(a)
     bm.free(b)
@@ -262,33 +261,33 @@ def test_fork_copy_on_write() -> None:
 def test_fork_at_block_boundary_needs_no_copy() -> None:
     bm = BlockManager(10, 4)
     a = Sequence(0, range(8))
-    bm.allocate(a)
+    a.num_computed_tokens = bm.allocate(a)
     compute(bm, a)
     b = a.fork(1)
     bm.fork(a, b)
     a.append_token(1)
     b.append_token(2)
     assert bm.append_slots(a, 1) == [] and bm.append_slots(b, 1) == []
-    assert (a.block_table, b.block_table) == ([1, 2, 3], [1, 2, 4])
+    assert (bm.block_table(a), bm.block_table(b)) == ([1, 2, 3], [1, 2, 4])
 
 
 def test_swap_round_trip_without_prefix_cache() -> None:
     bm = BlockManager(8, 4, enable_prefix_caching=False, num_host_blocks=4)
     a = Sequence(0, range(10))
-    bm.allocate(a)
+    a.num_computed_tokens = bm.allocate(a)
     compute(bm, a)
     assert bm.can_swap_out(a)
     assert bm.swap_out(a) == [(1, 0), (2, 1), (3, 2)]
-    assert (a.block_table, a.host_block_table, a.num_computed_tokens) == ([], [0, 1, 2], 10)
+    assert (bm.block_table(a), bm.host_block_tables(a)[0], a.num_computed_tokens) == ([], [0, 1, 2], 10)
     s = bm.stats()
     assert (s.used, s.free, s.host_used, s.host_free) == (0, 7, 3, 1)
     assert bm.can_swap_in(a)
     assert bm.swap_in(a) == [(0, 4), (1, 5), (2, 6)]
-    assert (a.block_table, a.host_block_table, a.num_computed_tokens) == ([4, 5, 6], [], 10)
+    assert (bm.block_table(a), bm.host_block_tables(a)[0], a.num_computed_tokens) == ([4, 5, 6], [], 10)
     assert bm.stats().host_free == 4
     bm.free(a)
     big = Sequence(1, range(20))  # 5 blocks > 4 host slots
-    bm.allocate(big)
+    big.num_computed_tokens = bm.allocate(big)
     assert not bm.can_swap_out(big)
     with pytest.raises(NoFreeBlocksError):
         bm.swap_out(big)
@@ -297,34 +296,34 @@ def test_swap_round_trip_without_prefix_cache() -> None:
 def test_swap_in_reuses_blocks_still_cached_on_device() -> None:
     bm = BlockManager(8, 4, num_host_blocks=4)
     a = Sequence(0, range(10))
-    bm.allocate(a)
+    a.num_computed_tokens = bm.allocate(a)
     compute(bm, a)
     assert bm.swap_out(a) == [(1, 0), (2, 1), (3, 2)]
     assert bm.stats().cached == 2
     assert bm.swap_in(a) == [(2, 4)]  # full blocks 1, 2 still cached: no copy
-    assert a.block_table == [1, 2, 4]
+    assert bm.block_table(a) == [1, 2, 4]
 
 
 def test_free_swapped_sequence_returns_host_slots() -> None:
     bm = BlockManager(8, 4, num_host_blocks=4)
     a = Sequence(0, range(5))
-    bm.allocate(a)
+    a.num_computed_tokens = bm.allocate(a)
     bm.swap_out(a)
     bm.free(a)
     s = bm.stats()
-    assert (s.host_free, s.used, a.host_block_table) == (4, 0, [])
+    assert (s.host_free, s.used, bm.host_block_tables(a)[0]) == (4, 0, [])
 
 
 def test_null_block_never_handed_out() -> None:
     bm = BlockManager(4, 4)
     seqs = [Sequence(i, [i] * 4) for i in range(3)]
     for seq in seqs:
-        bm.allocate(seq)
-    assert [s.block_table for s in seqs] == [[1], [2], [3]]
+        seq.num_computed_tokens = bm.allocate(seq)
+    assert [bm.block_table(s) for s in seqs] == [[1], [2], [3]]
     extra = Sequence(9, [9])
     assert not bm.can_allocate(extra)
     with pytest.raises(NoFreeBlocksError):
-        bm.allocate(extra)
+        extra.num_computed_tokens = bm.allocate(extra)
     assert bm.null_block_id == 0 and bm.pool.ref_count(0) == 0
 
 
@@ -348,18 +347,18 @@ def test_bad_config_names_the_argument(kwargs: dict, name: str) -> None:
 def test_mark_computed_rejects_overrun() -> None:
     bm = BlockManager(8, 4)
     a = Sequence(0, range(5))
-    bm.allocate(a)
+    a.num_computed_tokens = bm.allocate(a)
     with pytest.raises(ValueError, match="computed"):
-        bm.mark_computed(a, 6)
+        a.num_computed_tokens = bm.mark_computed(a, 6)
     bm.free(a)
-    bm.mark_computed(a, 1)  # freed (e.g. aborted mid-step): ignored
+    a.num_computed_tokens = bm.mark_computed(a, 1)  # freed (e.g. aborted mid-step): ignored
     assert a.num_computed_tokens == 0
 
 
 def test_reset_prefix_cache() -> None:
     bm = BlockManager(8, 4)
     a = Sequence(0, range(9))
-    bm.allocate(a)
+    a.num_computed_tokens = bm.allocate(a)
     compute(bm, a)
     bm.free(a)
     assert bm.reset_prefix_cache() == 2
@@ -377,21 +376,21 @@ def test_sliding_group_releases_blocks_out_of_every_window() -> None:
     bm = BlockManager(20, 4, group_windows=(None, 6))
     seq = Sequence(0, range(10))
     assert bm.blocks_for_admission(seq) == 6 and bm.can_allocate(seq)
-    bm.allocate(seq)
-    assert seq.block_tables == [[1, 2, 3], [4, 5, 6]]
+    seq.num_computed_tokens = bm.allocate(seq)
+    assert bm.block_tables(seq) == [[1, 2, 3], [4, 5, 6]]
     compute(bm, seq)  # computed 10: the next query (10) sees 5..10, so block 0 (0..3) is dead
-    assert seq.block_tables == [[1, 2, 3], [0, 5, 6]]
+    assert bm.block_tables(seq) == [[1, 2, 3], [0, 5, 6]]
     s = bm.stats()
     assert (s.used, s.cached, s.released_window_blocks) == (5, 1, 1)  # block 4 was full: cached
     for token in range(10, 16):
         seq.append_token(token)
         compute(bm, seq)
     # computed 16: the next query sees 11..16: blocks 0, 1 (0..7) dead, block 2 (8..11) still needed
-    assert seq.block_tables == [[1, 2, 3, 7], [0, 0, 6, 8]]
+    assert bm.block_tables(seq) == [[1, 2, 3, 7], [0, 0, 6, 8]]
     assert (bm.stats().used, bm.stats().released_window_blocks) == (6, 2)
     bm.free(seq)
     s = bm.stats()
-    assert s.used == 0 and s.free + s.cached == 19 and seq.block_tables == [[], []]
+    assert s.used == 0 and s.free + s.cached == 19 and bm.block_tables(seq) == [[], []]
 
 
 def test_a_fresh_block_never_evicts_another_groups_prefix_hit() -> None:
@@ -402,13 +401,13 @@ def test_a_fresh_block_never_evicts_another_groups_prefix_hit() -> None:
     bm = BlockManager(13, 4, group_windows=(None, 6))
     tokens = [3, 3, 3, 3] + [0] * 17
     a = Sequence(0, tokens)
-    bm.allocate(a)
+    a.num_computed_tokens = bm.allocate(a)
     compute(bm, a)  # computed 21: sliding blocks 0-3 released and cached; every block in use or cached
     assert bm.stats().free == 0 and bm.stats().cached == 4
     b = Sequence(1, tokens[:17])
-    bm.allocate(b)
-    group0, group1 = b.block_tables
-    assert b.num_computed_tokens == 16 and group0[:4] == a.block_tables[0][:4] and group1[:2] == [0, 0]
+    b.num_computed_tokens = bm.allocate(b)
+    group0, group1 = bm.block_tables(b)
+    assert b.num_computed_tokens == 16 and group0[:4] == bm.block_tables(a)[0][:4] and group1[:2] == [0, 0]
     assert not set(group0) & (set(group1) - {0})
     assert all(bm.pool.ref_count(block) >= 1 for block in group0 + group1 if block)
 
@@ -418,41 +417,41 @@ def test_sliding_only_prefix_hit_skips_released_blocks() -> None:
     the dead first page starts out as the null block, so it is neither revived nor counted."""
     bm = BlockManager(12, 4, group_windows=(6,))
     a = Sequence(0, range(13))
-    bm.allocate(a)
+    a.num_computed_tokens = bm.allocate(a)
     compute(bm, a)  # computed 13: blocks 0 and 1 (0..7) released, both cached
-    assert a.block_table == [0, 0, 3, 4] and bm.stats().cached == 2
+    assert bm.block_table(a) == [0, 0, 3, 4] and bm.stats().cached == 2
     b = Sequence(1, range(13))
     assert bm.num_cached_prefix_tokens(b) == 12
     free_before = bm.num_free_or_cached
-    bm.allocate(b)  # revives block 2, shares block 3, allocates one
-    assert b.block_table == [0, 2, 3, 5] and b.num_computed_tokens == 12
+    b.num_computed_tokens = bm.allocate(b)  # revives block 2, shares block 3, allocates one
+    assert bm.block_table(b) == [0, 2, 3, 5] and b.num_computed_tokens == 12
     assert bm.num_free_or_cached == free_before - 2
     assert bm.pool.ref_count(1) == 0 and bm.pool.ref_count(3) == 2
     compute(bm, b)
-    assert b.block_table == [0, 0, 3, 5]
+    assert bm.block_table(b) == [0, 0, 3, 5]
     # a hybrid model needs the whole prefix in its full group, the window in its sliding group
     hybrid = BlockManager(12, 4, group_windows=(None, 6))
     c = Sequence(2, range(13))
-    hybrid.allocate(c)
+    c.num_computed_tokens = hybrid.allocate(c)
     compute(hybrid, c)
     d = Sequence(3, range(13))
-    hybrid.allocate(d)
-    assert d.num_computed_tokens == 12 and d.block_tables[1][0] == 0 and 0 not in d.block_tables[0]
+    d.num_computed_tokens = hybrid.allocate(d)
+    assert d.num_computed_tokens == 12 and hybrid.block_tables(d)[1][0] == 0 and 0 not in hybrid.block_tables(d)[0]
 
 
 def test_swap_and_fork_keep_released_entries_null() -> None:
     bm = BlockManager(20, 4, num_host_blocks=8, group_windows=(None, 5))
     seq = Sequence(0, range(14))
-    bm.allocate(seq)
+    seq.num_computed_tokens = bm.allocate(seq)
     compute(bm, seq)  # computed 14: sliding blocks 0, 1 released
-    assert seq.block_tables[1][:2] == [0, 0]
+    assert bm.block_tables(seq)[1][:2] == [0, 0]
     child = seq.fork(1)
     bm.fork(seq, child)
-    assert child.block_tables == seq.block_tables
+    assert bm.block_tables(child) == bm.block_tables(seq)
     pairs = bm.swap_out(seq)
-    assert len(pairs) == 4 + 2 and len(seq.host_block_tables[1]) == 2  # live blocks only
+    assert len(pairs) == 4 + 2 and len(bm.host_block_tables(seq)[1]) == 2  # live blocks only
     bm.swap_in(seq)
-    assert seq.block_tables[1][:2] == [0, 0] and 0 not in seq.block_tables[1][2:]
+    assert bm.block_tables(seq)[1][:2] == [0, 0] and 0 not in bm.block_tables(seq)[1][2:]
     for s in (seq, child):
         bm.free(s)
     stats = bm.stats()
@@ -480,14 +479,14 @@ class ShadowKV:
         for (_, d), blk in zip(pairs, data):
             dst[d] = blk
 
-    def write(self, seq: Sequence, start: int, n: int) -> None:
-        for table in seq.block_tables:  # every layer group computes the new positions
+    def write(self, tables: list[list[int]], seq: Sequence, start: int, n: int) -> None:
+        for table in tables:  # every layer group computes the new positions
             for p in range(start, start + n):
                 assert table[p // self.bs] != 0, (seq, p)
                 self._blk(self.dev, table[p // self.bs])[p % self.bs] = tuple(seq.token_ids[: p + 1])
 
-    def check(self, seq: Sequence) -> None:
-        for table in seq.block_tables:
+    def check(self, tables: list[list[int]], seq: Sequence) -> None:
+        for table in tables:
             for p in range(seq.num_computed_tokens):
                 if table[p // self.bs] == 0:  # released by a sliding group: nobody reads it again
                     continue
@@ -518,12 +517,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _compute(self, seq: Sequence, n: int) -> None:
         start = seq.num_computed_tokens
         self.kv.copy(self.bm.append_slots(seq, n), self.kv.dev, self.kv.dev)
-        for table in seq.block_tables:
+        for table in self.bm.block_tables(seq):
             for p in range(start, start + n):  # the runner only ever writes exclusively owned blocks
                 block = table[p // self.bs]
                 assert self.bm.pool.ref_count(block) == 1 and self.bm.pool.block_hash(block) is None
-        self.kv.write(seq, start, n)
-        self.bm.mark_computed(seq, n)
+        self.kv.write(self.bm.block_tables(seq), seq, start, n)
+        seq.num_computed_tokens = self.bm.mark_computed(seq, n)
 
     @rule(
         prefix=st.sampled_from(PREFIXES),
@@ -534,12 +533,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = Sequence(self.next_id, (prefix + suffix) or [0])
         if not self.bm.can_allocate(seq):
             with pytest.raises(NoFreeBlocksError):
-                self.bm.allocate(seq)
+                seq.num_computed_tokens = self.bm.allocate(seq)
             return
-        self.bm.allocate(seq)
+        seq.num_computed_tokens = self.bm.allocate(seq)
         assert seq.num_computed_tokens % self.bs == 0
         assert seq.num_computed_tokens <= seq.num_tokens - 1
-        self.kv.check(seq)  # cache hits must carry exactly this prefix's KV
+        self.kv.check(self.bm.block_tables(seq), seq)  # cache hits must carry exactly this prefix's KV
         self.live[seq.seq_id] = seq
         self.family[seq.seq_id] = seq.seq_id
         self.next_id += 1
@@ -552,14 +551,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         want = self.bm.stats().free // len(self.group_windows) + 1
         seq = Sequence(self.next_id, [token] * (want * self.bs))
         if self.bm.can_allocate(seq):
-            self.bm.allocate(seq)
+            seq.num_computed_tokens = self.bm.allocate(seq)
             self.live[seq.seq_id] = seq
             self.family[seq.seq_id] = seq.seq_id
             self.next_id += 1
 
     @rule(data=st.data())
     def compute(self, data: st.DataObject) -> None:
-        seq = self._pick(data, lambda s: s.block_table and s.num_uncomputed_tokens > 0)
+        seq = self._pick(data, lambda s: self.bm.block_table(s) and s.num_uncomputed_tokens > 0)
         if seq is None:
             return
         n = data.draw(st.integers(1, seq.num_uncomputed_tokens))
@@ -568,13 +567,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), token=st.integers(0, 3))
     def sample(self, data: st.DataObject, token: int) -> None:
-        seq = self._pick(data, lambda s: s.block_table and s.num_uncomputed_tokens == 0)
+        seq = self._pick(data, lambda s: self.bm.block_table(s) and s.num_uncomputed_tokens == 0)
         if seq is not None:
             seq.append_token(token)
 
     @rule(data=st.data(), tokens=st.tuples(st.integers(0, 3), st.integers(0, 3)))
     def fork(self, data: st.DataObject, tokens: tuple[int, int]) -> None:
-        parent = self._pick(data, lambda s: s.block_table)
+        parent = self._pick(data, lambda s: self.bm.block_table(s))
         if parent is None:
             return
         child = parent.fork(self.next_id)
@@ -596,17 +595,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def swap_out(self, data: st.DataObject) -> None:
-        seq = self._pick(data, lambda s: s.block_table)
+        seq = self._pick(data, lambda s: self.bm.block_table(s))
         if seq is None or not self.bm.can_swap_out(seq):
             return
-        live = [b for table in seq.block_tables for b in table if b != 0]
+        live = [b for table in self.bm.block_tables(seq) for b in table if b != 0]
         pairs = self.bm.swap_out(seq)
         assert [d for d, _ in pairs] == live
         self.kv.copy(pairs, self.kv.dev, self.kv.host)
 
     @rule(data=st.data())
     def swap_in(self, data: st.DataObject) -> None:
-        seq = self._pick(data, lambda s: s.host_block_table)
+        seq = self._pick(data, lambda s: self.bm.host_block_tables(s)[0])
         if seq is None or not self.bm.can_swap_in(seq):
             return
         self.kv.copy(self.bm.swap_in(seq), self.kv.host, self.kv.dev)
@@ -618,23 +617,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self) -> None:
         bm, live = self.bm, list(self.live.values())
-        refs = Counter(b for s in live for t in s.block_tables for b in t if b != 0)
+        refs = Counter(b for s in live for t in self.bm.block_tables(s) for b in t if b != 0)
         for b in range(1, bm.num_blocks):
             assert bm.pool.ref_count(b) == refs.get(b, 0), b
         stats = bm.stats()
         assert stats.free + stats.cached + stats.used == stats.total - 1
         assert stats.used == len(refs)
         assert stats.free == sum(bm.pool.is_free(b) for b in range(bm.num_blocks))
-        hosts = [h for s in live for t in s.host_block_tables for h in t]
+        hosts = [h for s in live for t in self.bm.host_block_tables(s) for h in t]
         assert len(hosts) == len(set(hosts)) == stats.host_used
         assert stats.released_window_blocks >= 0
         holders: dict[int, tuple[int, int, int]] = {}
         for s in live:
-            assert not (s.block_table and s.host_block_table)
+            assert not (self.bm.block_table(s) and self.bm.host_block_tables(s)[0])
             assert s.num_computed_tokens <= s.num_tokens
-            if s.host_block_table:
-                assert len(s.host_block_tables) == len(self.group_windows)
-            for g, table in enumerate(s.block_tables if s.block_table else []):
+            if self.bm.host_block_tables(s)[0]:
+                assert len(self.bm.host_block_tables(s)) == len(self.group_windows)
+            for g, table in enumerate(self.bm.block_tables(s) if self.bm.block_table(s) else []):
                 dead = bm.num_released(g, s.num_computed_tokens)
                 # released entries are exactly the leading pages no future query can see
                 assert table[:dead] == [0] * dead and 0 not in table[dead:], (g, s)
@@ -646,8 +645,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
                         assert (grp, idx) == (g, i)
                         assert fam == self.family[s.seq_id] or bm.pool.block_hash(b) is not None
                     holders[b] = (g, i, self.family[s.seq_id])
-            if s.block_table:
-                self.kv.check(s)
+            if self.bm.block_table(s):
+                self.kv.check(self.bm.block_tables(s), s)
 
     def teardown(self) -> None:
         for seq in list(self.live.values()):

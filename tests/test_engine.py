@@ -172,8 +172,8 @@ def test_sliding_window_layers_give_blocks_back(kind, tiny_model, llm_factory, h
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
         for seq in engine.scheduler.running:
-            assert len(seq.block_tables) == len(windows)
-            for window, table in zip(windows, seq.block_tables):
+            assert len(engine.block_manager.block_tables(seq)) == len(windows)
+            for window, table in zip(windows, engine.block_manager.block_tables(seq)):
                 live = [b for b in table if b != 0]
                 if window is None:
                     assert len(live) == len(table) >= -(-seq.num_computed_tokens // block_size)
@@ -331,7 +331,7 @@ def shared_prefix_prompts(seed: int) -> list[list[int]]:
 
 
 def distinct_blocks(engine) -> set[int]:
-    return {b for seq in engine.scheduler.running for b in seq.block_table}
+    return {b for seq in engine.scheduler.running for b in engine.block_manager.block_table(seq)}
 
 
 def test_concurrent_requests_store_a_shared_prefix_once(prefix_llm):

@@ -40,19 +40,19 @@ class ShadowKV:
         for (_, d), blk in zip(pairs, data):
             dst[d] = blk
 
-    def run(self, out: SchedulerOutput) -> None:
+    def run(self, out: SchedulerOutput, bm: BlockManager) -> None:
         self._copy(out.blocks_to_swap_out, self.dev, self.host)
         self._copy(out.blocks_to_swap_in, self.host, self.dev)
         self._copy(out.blocks_to_copy, self.dev, self.dev)
         for item in out.scheduled:
             seq = item.seq
             for p in range(item.start, item.start + item.num_new_tokens):
-                blk = self.dev.setdefault(seq.block_table[p // self.bs], [None] * self.bs)
+                blk = self.dev.setdefault(bm.block_table(seq)[p // self.bs], [None] * self.bs)
                 blk[p % self.bs] = tuple(seq.token_ids[: p + 1])
 
-    def check(self, seq: Sequence) -> None:
+    def check(self, seq: Sequence, bm: BlockManager) -> None:
         for p in range(seq.num_computed_tokens):
-            got = self.dev[seq.block_table[p // self.bs]][p % self.bs]
+            got = self.dev[bm.block_table(seq)[p // self.bs]][p % self.bs]
             assert got == tuple(seq.token_ids[: p + 1]), (seq, p)
 
 
@@ -72,11 +72,11 @@ class Engine:
         assert out.num_batched_tokens <= cfg.max_num_batched_tokens
         assert len(out.scheduled) <= cfg.max_num_seqs
         assert len({id(s.seq) for s in out.scheduled}) == len(out.scheduled)
-        self.kv.run(out)
+        self.kv.run(out, sched.block_manager)
         sched.mark_computed(out)
         for item in out.scheduled:
             seq = item.seq
-            self.kv.check(seq)
+            self.kv.check(seq, sched.block_manager)
             assert item.sample == (seq.num_computed_tokens == seq.num_tokens)
             if item.sample and sample:
                 seq.append_token(fake_token(seq.seq_id, seq.num_tokens))
@@ -219,7 +219,7 @@ def test_preempts_most_recent_and_keeps_arrival_order() -> None:
     assert out.preempted == [b]  # the most recently admitted running sequence
     assert [s.seq for s in out.scheduled] == [a]
     assert list(sched.waiting) == [b, c]  # back at the front, in arrival order
-    assert (b.status, b.num_computed_tokens, b.block_table) == (SequenceStatus.WAITING, 0, [])
+    assert (b.status, b.num_computed_tokens, sched.block_manager.block_table(b)) == (SequenceStatus.WAITING, 0, [])
     assert b.num_output_tokens == 5  # generated tokens are kept for recompute
     engine.run()
     first_step = {
@@ -253,7 +253,7 @@ def test_fork_copy_on_write_through_scheduler() -> None:
     child.append_token(fake_token(100, 6))
     out = engine.step()
     assert out.blocks_to_copy == [(2, 3)]
-    assert (parent.block_table, child.block_table) == ([1, 3], [1, 2])
+    assert (sched.block_manager.block_table(parent), sched.block_manager.block_table(child)) == ([1, 3], [1, 2])
     engine.run()
     assert parent.output_token_ids == expected_output(parent, 4)
     assert child.output_token_ids == [fake_token(100, 6 + k) for k in range(4)]
@@ -271,7 +271,7 @@ def test_parallel_samples_fork_once_after_the_prompt_and_share_its_row() -> None
     ids = iter(range(100, 200))
     rows = sched.fork_parallel_samples([parent, other], lambda: next(ids))
     assert [(row, seq.seq_id) for row, seq in rows] == [(0, 0), (0, 100), (0, 101), (1, 1)]
-    assert all(seq.block_table == parent.block_table for _, seq in rows[:3])
+    assert all(sched.block_manager.block_table(seq) == sched.block_manager.block_table(parent) for _, seq in rows[:3])
     assert parent.samples_to_fork == 0 and all(seq.samples_to_fork == 0 for _, seq in rows)
     assert sched.fork_parallel_samples([parent], lambda: next(ids)) == [(0, parent)]
 
@@ -288,7 +288,7 @@ def test_abort_frees_blocks_at_once() -> None:
     sched.add(waiting)
     assert bm.stats().used == 5
     assert sched.abort(0) is running
-    assert running.status is SequenceStatus.FINISHED_ABORTED and running.block_table == []
+    assert running.status is SequenceStatus.FINISHED_ABORTED and bm.block_table(running) == []
     assert bm.stats().used == 0
     assert sched.abort(0) is None
     assert sched.abort(1) is waiting and not sched.has_unfinished()

@@ -1,9 +1,11 @@
 """Per-sequence block tables on top of the :class:`BlockPool`.
 
 Position ``p`` of a sequence lives in slot ``p % block_size`` of device block
-``seq.block_table[p // block_size]``. The manager decides those ids; the model
-runner only reads them plus the small lists of block copies this module
-returns. Copies must be applied before the forward pass that uses the blocks,
+``block_table(seq)[p // block_size]``. The manager owns those tables (keyed by sequence
+id) and decides their ids; the model runner only reads them plus the small lists of block
+copies this module returns. The manager never writes a :class:`Sequence`: progress
+(``num_computed_tokens``) belongs to the scheduler, which sets it from what
+:meth:`BlockManager.allocate` and :meth:`BlockManager.mark_computed` return. Copies must be applied before the forward pass that uses the blocks,
 in this order: swap-outs (device -> host), swap-ins (host -> device), then
 copy-on-write copies (device -> device). Each list is safe to apply as one
 batched gather-then-scatter.
@@ -15,7 +17,7 @@ prompt + the model's earlier answer. A lookup never covers the last token of
 a sequence: the model must compute at least one position to produce logits.
 
 Layer groups and sliding windows (see :mod:`flexpage.core.layer_groups`): the manager
-keeps one positional table per layer group in ``seq.block_tables``, all drawing from one
+keeps one positional table per layer group (``block_tables(seq)``), all drawing from one
 :class:`BlockPool`. A sliding-window group (window ``W``) gives back, as soon as
 ``num_computed_tokens`` moves past them, the leading blocks whose every position is
 outside the window of every current and future query (queries only move forward, so the
@@ -39,7 +41,7 @@ from collections import deque
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 
-from flexpage.core.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool, NoFreeBlocksError, hash_block_tokens
+from flexpage.core.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool, NoFreeBlocksError
 from flexpage.core.sequence import Sequence
 
 __all__ = ["BlockManager", "BlockStats"]
@@ -89,6 +91,14 @@ class BlockStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
+@dataclass(slots=True)
+class _Held:
+    """The blocks the manager holds for one sequence, per layer group."""
+
+    device: list[list[int]]  # device block ids; a sliding group's leading released entries are 0
+    host: list[list[int]]  # host slot ids while swapped out (live blocks only)
+
+
 class BlockManager:
     """Allocates, shares, copies, swaps and frees KV blocks for sequences."""
 
@@ -127,6 +137,7 @@ class BlockManager:
         self._prefix_hits = 0
         self.group_windows = group_windows
         self.num_released_blocks = 0
+        self._held: dict[int, _Held] = {}  # by seq_id; dropped by free()
 
     null_block_id = NULL_BLOCK_ID
 
@@ -153,6 +164,32 @@ class BlockManager:
 
     def _empty(self) -> list[list[int]]:
         return [[] for _ in self.group_windows]
+
+    def _of(self, seq: Sequence) -> _Held:
+        held = self._held.get(seq.seq_id)
+        if held is None:
+            held = self._held[seq.seq_id] = _Held(self._empty(), self._empty())
+        return held
+
+    # -- what a sequence holds (read-only views for the scheduler and the runner) ------------
+    def block_tables(self, seq: Sequence) -> list[list[int]]:
+        """``seq``'s device block ids per layer group (do not modify)."""
+        held = self._held.get(seq.seq_id)
+        return held.device if held is not None else self._empty()
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        """Group 0's device table: the only one for a model with a single kind of layer."""
+        return self.block_tables(seq)[0]
+
+    def host_block_tables(self, seq: Sequence) -> list[list[int]]:
+        """``seq``'s host slot ids per layer group while it is swapped out (do not modify)."""
+        held = self._held.get(seq.seq_id)
+        return held.host if held is not None else self._empty()
+
+    def holds_blocks(self, seq: Sequence) -> bool:
+        """Whether ``seq`` holds any device block or host slot."""
+        held = self._held.get(seq.seq_id)
+        return held is not None and (any(held.device) or any(held.host))
 
     @property
     def num_usable_blocks(self) -> int:
@@ -183,12 +220,8 @@ class BlockManager:
 
     # -- prefix cache ----------------------------------------------------------
     def _hashes(self, seq: Sequence, num_full_blocks: int) -> list[BlockHash]:
-        """``seq.block_hashes`` extended to cover ``num_full_blocks`` blocks."""
-        hashes, bs = seq.block_hashes, self.block_size
-        while len(hashes) < num_full_blocks:
-            i = len(hashes)
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs]))
-        return hashes
+        """The chained hashes of ``seq``'s first ``num_full_blocks`` blocks (or more)."""
+        return seq.block_hashes(self.block_size, num_full_blocks)
 
     def _cached_prefix(self, seq: Sequence) -> list[list[int]]:
         """Per group, the block ids of the longest prefix cached in every group (>= 1 token left).
@@ -262,14 +295,15 @@ class BlockManager:
         need = self._blocks_to_allocate(seq, self._cached_prefix(seq))
         return self.pool.num_free_or_cached - need >= watermark_blocks
 
-    def allocate(self, seq: Sequence) -> None:
+    def allocate(self, seq: Sequence) -> int:
         """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks.
 
-        Sets ``num_computed_tokens`` to the cached prefix length. Also used to
-        re-admit a recompute-preempted sequence: its generated tokens are part
-        of ``token_ids`` and hit the cache like the prompt does.
+        Returns the number of leading tokens whose KV came from the cache: the sequence's
+        ``num_computed_tokens`` from now on. Also used to re-admit a recompute-preempted
+        sequence: its generated tokens are part of ``token_ids`` and hit the cache like the
+        prompt does.
         """
-        if any(seq.block_tables) or any(seq.host_block_tables):
+        if self.holds_blocks(seq):
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
         hits = self._cached_prefix(seq)
         if self._blocks_to_allocate(seq, hits) > self.pool.num_free_or_cached:
@@ -286,26 +320,25 @@ class BlockManager:
             for _ in range(seq.num_blocks_needed(self.block_size) - len(group_hits)):
                 table.append(self._allocate_after(table))
             tables.append(table)
-        seq.block_tables = tables
+        self._of(seq).device = tables
         cached = len(hits[0]) * self.block_size
-        seq.num_computed_tokens = cached
-        if seq.num_output_tokens == 0:  # report prompt tokens only, first admission
-            seq.num_cached_tokens = cached
         if self.enable_prefix_caching:
             self._prefix_queries += seq.num_tokens
             self._prefix_hits += cached
+        return cached
 
     # -- growth and copy-on-write --------------------------------------------------
     def _blocks_to_append(self, seq: Sequence, num_new_tokens: int) -> int:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        if not seq.block_table:
+        tables = self.block_tables(seq)
+        if not tables[0]:
             raise ValueError(f"sequence {seq.seq_id} holds no device blocks (allocate or swap_in first)")
         bs = self.block_size
         needed = _cdiv(seq.num_computed_tokens + num_new_tokens, bs)
         first = seq.num_computed_tokens // bs  # >= every sliding group's released prefix
         total = 0
-        for table in seq.block_tables:
+        for table in tables:
             cow = sum(1 for i in range(first, min(needed, len(table))) if self.pool.ref_count(table[i]) > 1)
             total += max(0, needed - len(table)) + cow
         return total
@@ -325,7 +358,7 @@ class BlockManager:
         bs = self.block_size
         needed = _cdiv(seq.num_computed_tokens + num_new_tokens, bs)
         copies: list[tuple[int, int]] = []
-        for table in seq.block_tables:
+        for table in self._of(seq).device:
             for i in range(seq.num_computed_tokens // bs, min(needed, len(table))):
                 src = table[i]
                 if self.pool.ref_count(src) > 1:
@@ -342,75 +375,80 @@ class BlockManager:
         last = table[-1] if table else NULL_BLOCK_ID
         return self.pool.allocate(last if last != NULL_BLOCK_ID else None)
 
-    def _release_out_of_window(self, seq: Sequence) -> None:
+    def _release_out_of_window(self, tables: list[list[int]], num_computed_tokens: int) -> None:
         """Give back the leading blocks of sliding groups that no query can see any more."""
-        for g, table in enumerate(seq.block_tables):
-            i = min(self.num_released(g, seq.num_computed_tokens), len(table)) - 1
+        for g, table in enumerate(tables):
+            i = min(self.num_released(g, num_computed_tokens), len(table)) - 1
             while i >= 0 and table[i] != NULL_BLOCK_ID:  # released entries form a leading run
                 self.pool.decref(table[i])
                 table[i] = NULL_BLOCK_ID
                 self.num_released_blocks += 1
                 i -= 1
 
-    def mark_computed(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Record that the runner computed the next ``num_new_tokens`` positions.
+    def mark_computed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Record that the runner computed positions ``num_computed_tokens .. +num_new_tokens``.
 
-        Newly *full* blocks are indexed in the prefix cache. A sequence without
-        device blocks (finished or aborted mid-step) is ignored.
+        Newly *full* blocks are indexed in the prefix cache, and sliding groups give back
+        what no later query sees. Returns the sequence's new ``num_computed_tokens`` (the
+        caller stores it). A sequence without device blocks (finished or aborted mid-step)
+        is left as it is.
         """
-        if not seq.block_table:
-            return
+        tables = self.block_tables(seq)
+        if not tables[0]:
+            return seq.num_computed_tokens
         new_computed = seq.num_computed_tokens + num_new_tokens
         if num_new_tokens < 0 or new_computed > seq.num_tokens:
             raise ValueError(
                 f"mark_computed({num_new_tokens}) on sequence {seq.seq_id} would give "
                 f"{new_computed} computed tokens of {seq.num_tokens}"
             )
-        if _cdiv(new_computed, self.block_size) > len(seq.block_table):
+        if _cdiv(new_computed, self.block_size) > len(tables[0]):
             raise ValueError(f"sequence {seq.seq_id}: positions up to {new_computed} have no slots (append_slots first)")
         old_full = seq.num_computed_tokens // self.block_size
         new_full = new_computed // self.block_size
-        seq.num_computed_tokens = new_computed
         if self.enable_prefix_caching and new_full > old_full:
             hashes = self._hashes(seq, new_full)
-            for g, table in enumerate(seq.block_tables):
+            for g, table in enumerate(tables):
                 for i in range(old_full, new_full):  # never released yet: those lie below old_full
                     self.pool.set_hash(table[i], self._key(g, hashes[i]))
-        self._release_out_of_window(seq)  # hashed first, so full released blocks stay cached
+        self._release_out_of_window(tables, new_computed)  # hashed first, so full released blocks stay cached
+        return new_computed
 
     # -- sharing and release -----------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Let ``child`` (e.g. from :meth:`Sequence.fork`) share all of ``parent``'s blocks.
+        """Let ``child`` (e.g. from :meth:`Sequence.fork`: same tokens and progress) share all
+        of ``parent``'s blocks.
 
         Nothing is copied now; the first write into a shared partial block
         triggers copy-on-write in :meth:`append_slots`.
         """
-        if not parent.block_table:
+        tables = self.block_tables(parent)
+        if not tables[0]:
             raise ValueError(f"parent sequence {parent.seq_id} holds no device blocks")
-        if any(child.block_tables) or any(child.host_block_tables):
+        if self.holds_blocks(child):
             raise ValueError(f"child sequence {child.seq_id} already holds blocks")
-        for table in parent.block_tables:
+        for table in tables:
             for block_id in table:
                 if block_id != NULL_BLOCK_ID:
                     self.pool.incref(block_id)
-        child.block_tables = [list(table) for table in parent.block_tables]
-        child.num_computed_tokens = parent.num_computed_tokens
+        self._held[child.seq_id] = _Held([list(table) for table in tables], self._empty())
 
     def free(self, seq: Sequence) -> None:
-        """Release every device and host block of ``seq`` at once (idempotent).
+        """Release every device and host block of ``seq`` at once (idempotent); the
+        sequence's KV is gone, so its ``num_computed_tokens`` no longer holds.
 
         Blocks are released tail first, so a sequence's later blocks are
         evicted before its earlier ones: a cached prefix stays reachable longer.
         """
-        for table in seq.block_tables:
+        held = self._held.pop(seq.seq_id, None)
+        if held is None:
+            return
+        for table in held.device:
             for block_id in reversed(table):
                 if block_id != NULL_BLOCK_ID:
                     self.pool.decref(block_id)
-        seq.block_tables = self._empty()
-        for host_table in seq.host_block_tables:
+        for host_table in held.host:
             self._host_free.extend(host_table)
-        seq.host_block_tables = self._empty()
-        seq.num_computed_tokens = 0
 
     # -- host swap tier ------------------------------------------------------------------
     @staticmethod
@@ -418,7 +456,8 @@ class BlockManager:
         return sum(1 for table in tables for b in table if b != NULL_BLOCK_ID)
 
     def can_swap_out(self, seq: Sequence) -> bool:
-        return bool(seq.block_table) and self._num_live(seq.block_tables) <= len(self._host_free)
+        tables = self.block_tables(seq)
+        return bool(tables[0]) and self._num_live(tables) <= len(self._host_free)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
         """Move ``seq``'s KV to host slots; returns ``(device_block, host_block)`` copies.
@@ -428,28 +467,29 @@ class BlockManager:
         """
         if not self.can_swap_out(seq):
             raise NoFreeBlocksError(f"cannot swap out sequence {seq.seq_id}: not enough host blocks")
+        held = self._of(seq)
         pairs: list[tuple[int, int]] = []
         host_tables = []
-        for table in seq.block_tables:
+        for table in held.device:
             host_table = []
             for block_id in table:
                 if block_id != NULL_BLOCK_ID:
                     host_table.append(self._host_free.popleft())
                     pairs.append((block_id, host_table[-1]))
             host_tables.append(host_table)
-        for table in seq.block_tables:
+        for table in held.device:
             for block_id in reversed(table):
                 if block_id != NULL_BLOCK_ID:
                     self.pool.decref(block_id)
-        seq.block_tables = self._empty()
-        seq.host_block_tables = host_tables
+        held.device, held.host = self._empty(), host_tables
         return pairs
 
     def can_swap_in(self, seq: Sequence, watermark_blocks: int = 0) -> bool:
-        if not seq.host_block_table:
+        host_tables = self.host_block_tables(seq)
+        if not host_tables[0]:
             return False
         # host tables hold live blocks only (and host slot 0 is an ordinary slot)
-        return self.pool.num_free_or_cached - sum(map(len, seq.host_block_tables)) >= watermark_blocks
+        return self.pool.num_free_or_cached - sum(map(len, host_tables)) >= watermark_blocks
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
         """Bring a swapped sequence back; returns ``(host_block, device_block)`` copies.
@@ -463,7 +503,8 @@ class BlockManager:
         hashes = self._hashes(seq, num_full) if self.enable_prefix_caching else []
         tables: list[list[int]] = []
         pairs: list[tuple[int, int]] = []
-        for g, host_table in enumerate(seq.host_block_tables):
+        held = self._of(seq)
+        for g, host_table in enumerate(held.host):
             table = [NULL_BLOCK_ID] * self.num_released(g, seq.num_computed_tokens)
             for host in host_table:
                 i = len(table)
@@ -478,6 +519,5 @@ class BlockManager:
                 table.append(block_id)
             tables.append(table)
             self._host_free.extend(host_table)
-        seq.host_block_tables = self._empty()
-        seq.block_tables = tables
+        held.host, held.device = self._empty(), tables
         return pairs

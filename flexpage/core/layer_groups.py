@@ -11,7 +11,7 @@ Design (vLLM's hybrid allocator, simplified):
 * layers are split into **groups of equal size** ``S`` = the layer count of the rarest
   kind; a kind with more layers is split into several groups (Gemma3, 5 local : 1 global,
   gets five local groups per global one). Full-attention groups come first, so group 0
-  (``Sequence.block_table``) is a complete table whenever the model has full layers;
+  (``BlockManager.block_table(seq)``) is a complete table whenever the model has full layers;
 * the KV pool holds ``S`` layers per block: physical block ``b`` of layer slot ``j``
   belongs to whichever group's table holds ``b``, and layer ``j`` of that group reads it.
   All groups draw from **one** :class:`~flexpage.core.block_pool.BlockPool`, so

@@ -93,7 +93,7 @@ class Scheduler:
         """Queue a new sequence; rejects prompts that could never be scheduled."""
         if seq.seq_id in self._seqs:
             raise ValueError(f"seq_id {seq.seq_id} is already scheduled")
-        if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.host_block_table:
+        if seq.status is not SequenceStatus.WAITING or self.block_manager.holds_blocks(seq):
             raise ValueError(f"sequence {seq.seq_id} must be WAITING and hold no blocks, got {seq!r}")
         if seq.num_tokens > self.config.max_model_len:
             raise ValueError(
@@ -191,7 +191,7 @@ class Scheduler:
         """After the forward pass: advance every scheduled, still-live sequence."""
         for item in output.scheduled:
             if item.seq.status is SequenceStatus.RUNNING:
-                self.block_manager.mark_computed(item.seq, item.num_new_tokens)
+                item.seq.num_computed_tokens = self.block_manager.mark_computed(item.seq, item.num_new_tokens)
 
     # -- the step ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -268,7 +268,9 @@ class Scheduler:
             if not cfg.enable_chunked_prefill and remaining > budget:
                 break
             self.waiting.popleft()
-            bm.allocate(seq)
+            seq.num_computed_tokens = bm.allocate(seq)
+            if seq.num_output_tokens == 0:  # report prompt tokens only, first admission
+                seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             take(seq, chunk(seq))
@@ -306,6 +308,7 @@ class Scheduler:
             seq.status = SequenceStatus.SWAPPED
             self._enqueue(self.swapped, seq)
         else:
-            bm.free(seq)  # resets num_computed_tokens; token_ids (with outputs) are kept
+            bm.free(seq)
+            seq.num_computed_tokens = 0  # recomputed from token_ids (outputs included) when readmitted
             seq.status = SequenceStatus.WAITING
             self._enqueue(self.waiting, seq)

@@ -5,7 +5,7 @@ runner can turn it into tensors without knowing any scheduling policy.
 
 For each :class:`ScheduledSequence` the runner computes KV for token positions
 ``start .. start + num_new_tokens - 1`` of ``seq.token_ids`` (slot of position
-``p``: block ``seq.block_table[p // block_size]``, offset ``p % block_size``),
+``p``: block ``block_manager.block_table(seq)[p // block_size]``, offset ``p % block_size``),
 attending to all positions ``< start + num_new_tokens``; and, if ``sample`` is
 True, samples the next token from the last position's logits.
 """

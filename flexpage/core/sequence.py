@@ -10,8 +10,8 @@ tokens the model sampled) plus two progress counters:
 * ``num_cached_tokens``: how many prompt tokens were served from the prefix
   cache at admission (reporting only; never drives scheduling).
 
-The class holds no policy: the block manager fills ``block_table`` /
-``host_block_table`` / ``block_hashes`` and the scheduler moves ``status``.
+The class holds no policy and no blocks: the block manager keeps the block tables (keyed
+by ``seq_id``), and the scheduler moves ``status`` and the counters.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import enum
 import itertools
 from collections.abc import Iterable
 from typing import Any
+
+from flexpage.core.block_pool import hash_block_tokens
 
 __all__ = ["Sequence", "SequenceStatus"]
 
@@ -71,9 +73,7 @@ class Sequence:
         "num_prompt_tokens",
         "num_computed_tokens",
         "num_cached_tokens",
-        "block_tables",
-        "host_block_tables",
-        "block_hashes",
+        "_block_hashes",
         "status",
         "arrival_index",
         "max_tokens",
@@ -101,15 +101,9 @@ class Sequence:
         self.num_prompt_tokens: int = len(token_ids)
         self.num_computed_tokens: int = 0
         self.num_cached_tokens: int = 0
-        #: Device block ids per layer group (see :mod:`flexpage.core.layer_groups`), one per
-        #: ``block_size`` positions; a sliding-window group holds the null block 0 for the
-        #: leading pages it gave back (owned by the BlockManager).
-        self.block_tables: list[list[int]] = [[]]
-        #: Host slot ids per layer group while SWAPPED (owned by the BlockManager).
-        self.host_block_tables: list[list[int]] = [[]]
-        #: Chained prefix-cache hashes of this sequence's full blocks, filled
-        #: lazily by the BlockManager. Valid because token_ids only ever grow.
-        self.block_hashes: list[bytes] = []
+        #: (block size, chained prefix-cache hashes of the full blocks so far): extended lazily,
+        #: valid because token_ids only ever grow
+        self._block_hashes: tuple[int, list[bytes]] = (0, [])
         self.status: SequenceStatus = SequenceStatus.WAITING
         self.arrival_index: int = next(_arrival_counter) if arrival_index is None else arrival_index
         self.max_tokens: int | None = max_tokens
@@ -117,25 +111,6 @@ class Sequence:
         #: parallel sampling (``n > 1``): siblings this sequence forks once its prompt is computed
         #: (see :meth:`Scheduler.fork_parallel_samples`); 0 once forked and for every child
         self.samples_to_fork: int = num_samples - 1
-
-    # -- block tables --------------------------------------------------------
-    @property
-    def block_table(self) -> list[int]:
-        """Group 0's device table: the only one for a model with a single kind of layer."""
-        return self.block_tables[0]
-
-    @block_table.setter
-    def block_table(self, table: list[int]) -> None:
-        self.block_tables[0] = table
-
-    @property
-    def host_block_table(self) -> list[int]:
-        """Group 0's host table while SWAPPED."""
-        return self.host_block_tables[0]
-
-    @host_block_table.setter
-    def host_block_table(self, table: list[int]) -> None:
-        self.host_block_tables[0] = table
 
     # -- derived sizes -----------------------------------------------------
     @property
@@ -167,6 +142,19 @@ class Sequence:
         """Blocks needed to hold KV for every current token (ceil division)."""
         return -(-len(self.token_ids) // block_size)
 
+    def block_hashes(self, block_size: int, num_blocks: int) -> list[bytes]:
+        """The chained content hashes (:func:`~flexpage.core.block_pool.hash_block_tokens`) of
+        this sequence's first ``num_blocks`` full blocks of ``block_size`` tokens, or more:
+        the prefix cache's keys. Computed once per block, on demand."""
+        if self._block_hashes[0] != block_size:
+            self._block_hashes = (block_size, [])
+        hashes = self._block_hashes[1]
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None,
+                                            self.token_ids[i * block_size : (i + 1) * block_size]))
+        return hashes
+
     # -- mutation ----------------------------------------------------------
     def append_token(self, token_id: int) -> None:
         """Append a sampled token. Its KV is computed by the *next* step."""
@@ -189,17 +177,12 @@ class Sequence:
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
-        child.block_hashes = list(self.block_hashes)
+        child._block_hashes = (self._block_hashes[0], list(self._block_hashes[1]))
         child.status = self.status
         return child
-
-    @staticmethod
-    def _tables(tables: list[list[int]]) -> object:
-        return tables[0] if len(tables) == 1 else tables
 
     def __repr__(self) -> str:
         return (
             f"Sequence(seq_id={self.seq_id}, status={self.status.name}, tokens={self.num_tokens}, "
-            f"prompt={self.num_prompt_tokens}, computed={self.num_computed_tokens}, "
-            f"blocks={self._tables(self.block_tables)}, host_blocks={self._tables(self.host_block_tables)})"
+            f"prompt={self.num_prompt_tokens}, computed={self.num_computed_tokens})"
         )
