@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from flexpage.core import BlockManager, NoFreeBlocksError, Sequence
+from flexpage.core.layer_groups import blocks_out_of_window
 
 
 def compute(bm: BlockManager, seq: Sequence, n: int | None = None) -> list[tuple[int, int]]:
@@ -634,7 +635,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             if self.bm.host_block_tables(s)[0]:
                 assert len(self.bm.host_block_tables(s)) == len(self.group_windows)
             for g, table in enumerate(self.bm.block_tables(s) if self.bm.block_table(s) else []):
-                dead = bm.num_released(g, s.num_computed_tokens)
+                dead = blocks_out_of_window(self.group_windows[g], self.bs, s.num_computed_tokens)
                 # released entries are exactly the leading pages no future query can see
                 assert table[:dead] == [0] * dead and 0 not in table[dead:], (g, s)
                 assert len(table) * self.bs >= s.num_computed_tokens

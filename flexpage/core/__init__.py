@@ -13,6 +13,7 @@ Layers, bottom up:
   sliding), one block table per group.
 * :mod:`flexpage.core.block_pool`: physical blocks, ref counts, the prefix-cache
   hash index and LRU eviction.
+* :mod:`flexpage.core.block_stats`: a snapshot of pool occupancy for metrics.
 * :mod:`flexpage.core.block_manager`: per-sequence block tables on top of the
   pool (allocate, append, fork/copy-on-write, swap to host, free).
 * :mod:`flexpage.core.scheduler`: iteration-level continuous batching.

@@ -16,23 +16,12 @@ and generated tokens alike become reusable, e.g. the next chat turn hits
 prompt + the model's earlier answer. A lookup never covers the last token of
 a sequence: the model must compute at least one position to produce logits.
 
-Layer groups and sliding windows (see :mod:`flexpage.core.layer_groups`): the manager
-keeps one positional table per layer group (``block_tables(seq)``), all drawing from one
-:class:`BlockPool`. A sliding-window group (window ``W``) gives back, as soon as
-``num_computed_tokens`` moves past them, the leading blocks whose every position is
-outside the window of every current and future query (queries only move forward, so the
-next query is at ``>= num_computed_tokens``): :meth:`BlockManager.num_released` of them.
-Each is decref'd (free, or prefix-cached when full and hashed) and its table entry
-becomes the null block 0, so a sliding table is always ``[0] * num_released + live``.
-Released pages are never read: the attention planner accepts a null page only where the
-layer's own mask rule says no query of the row can see it.
-
-Prefix caching keeps working per group: hashes are keyed by group (a block of one group
-holds other layers' KV than the same tokens in another group), and a hit of ``h`` blocks
-needs, in every group, the blocks that a query at position ``h * block_size`` can still
-see -- all ``h`` for full attention, only the window's for a sliding group (its leading
-entries start out null). Host tables hold the live blocks only; swap-in restores the
-leading nulls from ``num_computed_tokens``.
+Layer groups and sliding windows (the rules are in :mod:`flexpage.core.layer_groups`): the
+manager keeps one positional table per layer group (``block_tables(seq)``), all drawing from
+one :class:`BlockPool`. A sliding group's blocks that fall out of every query's window are
+decref'd (free, or prefix-cached when full and hashed) and their entries become the null
+block 0. Host tables hold the live blocks only; swap-in restores the leading nulls from
+``num_computed_tokens``.
 """
 
 from __future__ import annotations
@@ -42,6 +31,8 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 
 from flexpage.core.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool, NoFreeBlocksError
+from flexpage.core.block_stats import BlockStats
+from flexpage.core.layer_groups import blocks_out_of_window, group_key, prefix_hit
 from flexpage.core.sequence import Sequence
 
 __all__ = ["BlockManager", "BlockStats"]
@@ -54,41 +45,6 @@ def _cdiv(a: int, b: int) -> int:
 def _check_int(name: str, value: object, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStats:
-    """Snapshot of pool occupancy and prefix-cache effectiveness.
-
-    ``free + cached + used == total - 1`` always (block 0 is the null block).
-    """
-
-    total: int  # device blocks including the null block
-    free: int  # ref 0, no cached content (never used or evicted)
-    cached: int  # ref 0, still findable by hash; evictable
-    used: int  # ref > 0
-    host_total: int
-    host_used: int
-    host_free: int
-    prefix_cache_queries: int  # tokens looked up at admission
-    prefix_cache_hits: int  # tokens served from the cache at admission
-    evictions: int  # cached blocks whose content was dropped for reuse
-    #: blocks sliding-window layer groups gave back early (out of every query's window)
-    released_window_blocks: int = 0
-
-    @property
-    def num_free_or_cached(self) -> int:
-        """Blocks available to admissions (cached ones are evicted on demand)."""
-        return self.free + self.cached
-
-    @property
-    def usage(self) -> float:
-        """Fraction of usable blocks referenced by live sequences."""
-        return self.used / max(1, self.total - 1)
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 @dataclass(slots=True)
@@ -145,22 +101,8 @@ class BlockManager:
     def num_groups(self) -> int:
         return len(self.group_windows)
 
-    def num_released(self, group: int, num_computed_tokens: int) -> int:
-        """Leading blocks of ``group``'s table that no query at a position ``>= num_computed_tokens`` sees.
-
-        A query at ``q`` sees ``q-W+1 .. q``, so block ``i`` (positions ``i*bs .. i*bs+bs-1``)
-        is dead once ``i*bs + bs - 1 < num_computed_tokens - W + 1``. Always 0 for full attention.
-        The block of the last computed token is always kept (this only matters for ``W == 1``),
-        so a table that holds blocks is never all null.
-        """
-        window = self.group_windows[group]
-        if window is None:
-            return 0
-        return max(0, (num_computed_tokens - max(window, 2) + 1) // self.block_size)
-
-    def _key(self, group: int, block_hash: BlockHash) -> BlockHash:
-        """The prefix-cache key of a block of ``group`` (group 0 uses the plain chained hash)."""
-        return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
+    def _released(self, group: int, num_computed_tokens: int) -> int:
+        return blocks_out_of_window(self.group_windows[group], self.block_size, num_computed_tokens)
 
     def _empty(self) -> list[list[int]]:
         return [[] for _ in self.group_windows]
@@ -224,37 +166,13 @@ class BlockManager:
         return seq.block_hashes(self.block_size, num_full_blocks)
 
     def _cached_prefix(self, seq: Sequence) -> list[list[int]]:
-        """Per group, the block ids of the longest prefix cached in every group (>= 1 token left).
-
-        All groups' lists have the same length ``h``; a sliding group's leading
-        ``num_released(g, h * block_size)`` entries are the null block (not needed).
-        """
+        """Per group, the block ids of the longest prefix cached in every group (>= 1 token left)."""
         if not self.enable_prefix_caching:
             return self._empty()
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        hashes = self._hashes(seq, max_blocks)[:max_blocks]
-        limit = max_blocks  # full-attention groups need every block: stop at their first miss
-        for g, window in enumerate(self.group_windows):
-            if window is None:
-                limit = next((i for i in range(limit) if self.pool.lookup(self._key(g, hashes[i])) is None), limit)
-        by_group = [[self.pool.lookup(self._key(g, h)) for h in hashes[:limit]] for g in range(self.num_groups)]
-        # last_miss[g][h]: index of the last missing block below h (-1: none)
-        last_miss = []
-        for ids in by_group:
-            marks, last = [-1], -1
-            for i, b in enumerate(ids):
-                last = i if b is None else last
-                marks.append(last)
-            last_miss.append(marks)
-        bs = self.block_size
-        for h in range(limit, 0, -1):
-            if all(last_miss[g][h] < self.num_released(g, h * bs) for g in range(self.num_groups)):
-                out = []
-                for g, ids in enumerate(by_group):
-                    dead = self.num_released(g, h * bs)
-                    out.append([NULL_BLOCK_ID] * dead + ids[dead:h])  # type: ignore[operator]
-                return out
-        return self._empty()
+        return prefix_hit(self._hashes(seq, max_blocks)[:max_blocks],
+                          lambda group, block_hash: self.pool.lookup(group_key(group, block_hash)),
+                          self.group_windows, self.block_size)
 
     def hashes_filled_by(self, seq: Sequence, num_new_tokens: int) -> list[BlockHash]:
         """Hashes of the blocks that computing the next ``num_new_tokens`` positions fills."""
@@ -378,7 +296,7 @@ class BlockManager:
     def _release_out_of_window(self, tables: list[list[int]], num_computed_tokens: int) -> None:
         """Give back the leading blocks of sliding groups that no query can see any more."""
         for g, table in enumerate(tables):
-            i = min(self.num_released(g, num_computed_tokens), len(table)) - 1
+            i = min(self._released(g, num_computed_tokens), len(table)) - 1
             while i >= 0 and table[i] != NULL_BLOCK_ID:  # released entries form a leading run
                 self.pool.decref(table[i])
                 table[i] = NULL_BLOCK_ID
@@ -410,7 +328,7 @@ class BlockManager:
             hashes = self._hashes(seq, new_full)
             for g, table in enumerate(tables):
                 for i in range(old_full, new_full):  # never released yet: those lie below old_full
-                    self.pool.set_hash(table[i], self._key(g, hashes[i]))
+                    self.pool.set_hash(table[i], group_key(g, hashes[i]))
         self._release_out_of_window(tables, new_computed)  # hashed first, so full released blocks stay cached
         return new_computed
 
@@ -505,17 +423,17 @@ class BlockManager:
         pairs: list[tuple[int, int]] = []
         held = self._of(seq)
         for g, host_table in enumerate(held.host):
-            table = [NULL_BLOCK_ID] * self.num_released(g, seq.num_computed_tokens)
+            table = [NULL_BLOCK_ID] * self._released(g, seq.num_computed_tokens)
             for host in host_table:
                 i = len(table)
-                block_id = self.pool.lookup(self._key(g, hashes[i])) if i < num_full and hashes else None
+                block_id = self.pool.lookup(group_key(g, hashes[i])) if i < num_full and hashes else None
                 if block_id is not None:
                     self.pool.incref(block_id)
                 else:
                     block_id = self._allocate_after(table)
                     pairs.append((host, block_id))
                     if i < num_full and hashes:
-                        self.pool.set_hash(block_id, self._key(g, hashes[i]))
+                        self.pool.set_hash(block_id, group_key(g, hashes[i]))
                 table.append(block_id)
             tables.append(table)
             self._host_free.extend(host_table)

@@ -18,21 +18,32 @@ Design (vLLM's hybrid allocator, simplified):
   admission, copy-on-write, swapping and prefix caching stay one accounting problem and
   a block id means the same thing to every part of the engine;
 * each sequence carries one positional table per group (logical page ``i`` is entry
-  ``i`` in every group). A sliding group replaces the leading pages nobody can see any
-  more with the null block 0 (see :meth:`BlockManager.num_released
-  <flexpage.core.block_manager.BlockManager.num_released>`).
+  ``i`` in every group). A sliding group (window ``W``) gives back, as soon as
+  ``num_computed_tokens`` moves past them, the leading blocks whose every position is
+  outside the window of every current and future query (queries only move forward, so the
+  next query is at ``>= num_computed_tokens``): :func:`blocks_out_of_window` of them. Their
+  table entries become the null block 0, so a sliding table is always
+  ``[0] * released + live``. Released pages are never read: the attention planner accepts a
+  null page only where the layer's own mask rule says no query of the row can see it.
+* prefix caching works per group: a block of one group holds other layers' KV than the
+  same tokens in another group, so cache keys name the group (:func:`group_key`), and a hit
+  of ``h`` blocks needs, in every group, the blocks that a query at position
+  ``h * block_size`` can still see -- all ``h`` for full attention, only the window's for a
+  sliding group (its leading entries start out null): :func:`prefix_hit`.
 
-A model with one kind of layer has a single group holding every layer: exactly the
-layout from before groups existed.
+A model with one kind of layer has a single group holding every layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LayerGroup", "layer_windows", "plan_layer_groups"]
+from flexpage.core.block_pool import NULL_BLOCK_ID, BlockHash
+
+__all__ = ["LayerGroup", "blocks_out_of_window", "group_key", "layer_windows", "plan_layer_groups", "prefix_hit"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,3 +89,54 @@ def plan_layer_groups(windows: SequenceABC[int | None]) -> tuple[LayerGroup, ...
     return tuple(
         LayerGroup(w, tuple(kinds[w][i : i + size])) for w in order for i in range(0, len(kinds[w]), size)
     )
+
+
+def blocks_out_of_window(window: int | None, block_size: int, num_computed_tokens: int) -> int:
+    """Leading blocks of a table that no query at a position ``>= num_computed_tokens`` sees.
+
+    A query at ``q`` sees ``q-W+1 .. q``, so block ``i`` (positions ``i*bs .. i*bs+bs-1``)
+    is dead once ``i*bs + bs - 1 < num_computed_tokens - W + 1``. Always 0 for full attention
+    (``window`` None). The block of the last computed token is always kept (this only
+    matters for ``W == 1``), so a table that holds blocks is never all null.
+    """
+    if window is None:
+        return 0
+    return max(0, (num_computed_tokens - max(window, 2) + 1) // block_size)
+
+
+def group_key(group: int, block_hash: BlockHash) -> BlockHash:
+    """The prefix-cache key of a block of ``group`` (group 0 uses the plain chained hash)."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
+
+
+def prefix_hit(
+    hashes: SequenceABC[BlockHash],
+    lookup: Callable[[int, BlockHash], int | None],
+    windows: SequenceABC[int | None],
+    block_size: int,
+) -> list[list[int]]:
+    """Per group, the block ids of the longest prefix of ``hashes`` that every group can serve.
+
+    ``lookup(group, hash)`` is a group's cached block for a block hash, or None. All groups'
+    lists have the same length ``h``; a sliding group's leading
+    ``blocks_out_of_window(window, block_size, h * block_size)`` entries are the null block
+    (out of the window of the first query that follows the hit, so not needed). No hit:
+    one empty list per group.
+    """
+    limit = len(hashes)  # full-attention groups need every block: stop at their first miss
+    for g, window in enumerate(windows):
+        if window is None:
+            limit = next((i for i in range(limit) if lookup(g, hashes[i]) is None), limit)
+    by_group = [[lookup(g, h) for h in hashes[:limit]] for g in range(len(windows))]
+    last_miss = []  # last_miss[g][h]: index of the last missing block below h (-1: none)
+    for ids in by_group:
+        marks, last = [-1], -1
+        for i, b in enumerate(ids):
+            last = i if b is None else last
+            marks.append(last)
+        last_miss.append(marks)
+    for h in range(limit, 0, -1):
+        dead = [blocks_out_of_window(w, block_size, h * block_size) for w in windows]
+        if all(last_miss[g][h] < dead[g] for g in range(len(windows))):
+            return [[NULL_BLOCK_ID] * dead[g] + ids[dead[g]:h] for g, ids in enumerate(by_group)]  # type: ignore[operator]
+    return [[] for _ in windows]
