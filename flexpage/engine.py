@@ -21,7 +21,8 @@ from flexpage.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from flexpage.core.sequence import Sequence, SequenceStatus
 from flexpage.errors import InvalidParameter
 from flexpage.model.detokenizer import IncrementalDetokenizer
-from flexpage.model.loader import default_dtype, load_hf_model, load_tokenizer, parse_dtype, resolve_model_path
+from flexpage.model.dtypes import default_dtype, parse_dtype
+from flexpage.model.loader import load_hf_model, load_tokenizer, resolve_model_path
 from flexpage.model.layer_recipes import engine_recipes
 from flexpage.model.runner import ModelRunner, StepInputs, layer_groups_for
 from flexpage.model.sampler import TokenHistory, make_generator, sample

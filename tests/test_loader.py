@@ -1,12 +1,10 @@
-"""Tests for flexpage.model.loader: GGUF conversion, path resolution, dtypes."""
+"""Tests for flexpage.model.loader: GGUF conversion and path resolution."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
 import pathlib
-import subprocess
-import sys
 import time
 
 import pytest
@@ -15,10 +13,8 @@ import torch
 from flexpage.model import loader
 from flexpage.model.loader import (
     DEFAULT_MODEL_NAME,
-    default_dtype,
     load_hf_model,
     load_tokenizer,
-    parse_dtype,
     resolve_model_path,
 )
 
@@ -244,73 +240,3 @@ def test_concurrent_processes_build_once(tmp_path: pathlib.Path) -> None:
     assert (target / "config.json").is_file()
     assert len((tmp_path / "builds.log").read_text().split()) == 1
     assert not list(tmp_path.glob(".model.tmp-*"))
-
-
-# --------------------------------------------------------------------------- dtypes
-
-
-@pytest.mark.parametrize(
-    ("name", "expected"),
-    [
-        ("float32", torch.float32),
-        ("fp32", torch.float32),
-        ("bfloat16", torch.bfloat16),
-        ("bf16", torch.bfloat16),
-        ("float16", torch.float16),
-        ("fp16", torch.float16),
-        ("BF16", torch.bfloat16),
-        ("torch.float16", torch.float16),
-        (torch.bfloat16, torch.bfloat16),
-    ],
-)
-def test_parse_dtype(name: str | torch.dtype, expected: torch.dtype) -> None:
-    assert parse_dtype(name) is expected
-
-
-def test_parse_dtype_auto_is_default() -> None:
-    assert parse_dtype("auto") is default_dtype()
-    assert default_dtype() in (torch.float32, torch.bfloat16)
-
-
-@pytest.mark.parametrize("bad", ["int8", "float64", "", "fp8", torch.int8, torch.float64])
-def test_parse_dtype_rejects_unknown(bad: str | torch.dtype) -> None:
-    with pytest.raises(ValueError) as info:
-        parse_dtype(bad)
-    message = str(info.value)
-    assert "dtype" in message and repr(bad) in message, message
-
-
-@pytest.mark.parametrize(
-    ("capability", "onednn_bf16", "flags", "expected"),
-    [
-        ("AVX512", True, {"avx512f", "avx512_bf16"}, torch.bfloat16),  # AMD EPYC (Zen 4)
-        ("AVX512", True, {"avx512f", "amx_bf16", "amx_tile"}, torch.bfloat16),  # Intel Xeon with AMX
-        ("AVX512", True, {"avx512f"}, torch.float32),  # AVX-512 without bf16 instructions (Skylake)
-        ("AVX2", True, {"avx2", "avx512_bf16"}, torch.float32),  # ATEN_CPU_CAPABILITY=avx2 on a bf16 CPU
-        ("AVX2", False, {"avx2", "fma"}, torch.float32),  # a CPU without AVX-512
-        ("AVX512", False, {"avx512f", "avx512_bf16"}, torch.float32),  # ONEDNN_MAX_CPU_ISA below AVX-512
-        ("DEFAULT", False, set(), torch.float32),
-    ],
-)
-def test_default_dtype_is_bf16_only_where_every_kernel_has_native_bf16(
-    monkeypatch: pytest.MonkeyPatch, capability: str, onednn_bf16: bool, flags: set[str], expected: torch.dtype,
-) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn_bf16)
-    monkeypatch.setattr(loader, "_cpuinfo_flags", lambda: flags)
-    assert default_dtype() is expected
-
-
-def test_default_dtype_on_gpu_is_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert default_dtype() is torch.bfloat16
-
-
-def test_a_cpu_without_avx512_gets_float32() -> None:
-    """The real check, not a patched one: ATEN_CPU_CAPABILITY=avx2 is how such a CPU looks to PyTorch."""
-    code = "from flexpage.model.loader import default_dtype; print(default_dtype())"
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "torch.float32"

@@ -38,7 +38,8 @@ from attention_reference import (
     rel_err,
 )
 from flexpage.attention.flex import FlexRunner
-from flexpage.attention.paging import build_paged_batch, thread_balanced_order
+from flexpage.attention.paging import build_paged_batch
+from flexpage.attention.thread_balance import thread_balanced_order
 from flexpage.recipes.causal import causal
 
 pytestmark = pytest.mark.usefixtures("compile_budget", "single_torch_thread")

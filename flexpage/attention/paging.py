@@ -42,7 +42,9 @@ import torch
 from torch import Tensor
 
 from flexpage.attention.errors import check_arg
+from flexpage.attention.paging_inputs import check_paging_inputs
 from flexpage.attention.recipe import Recipe
+from flexpage.attention.thread_balance import thread_balanced_order
 
 DECODE_Q_BLOCK = 1
 PREFILL_Q_BLOCK = 32
@@ -148,7 +150,7 @@ def build_paged_batch(
               f"a multiple of pages_per_block={pages_per_block}")
     # the plan is index arithmetic on small host arrays: numpy's per-op cost is a few times
     # lower than torch's, and the results are handed over as tensors without copies
-    tables, seq_lens_n, query_lens_n = _check_inputs(block_tables, seq_lens, query_lens, page_size, num_pages,
+    tables, seq_lens_n, query_lens_n = check_paging_inputs(block_tables, seq_lens, query_lens, page_size, num_pages,
                                                      recipe)
     if tables.shape[1] == 1:  # one column would be one more compiled kernel (Dynamo specialises a size of 1)
         tables = np.pad(tables, ((0, 0), (0, 1)))
@@ -183,93 +185,6 @@ def build_paged_batch(
 
 # a row's fixed cost in the kernel (per-row setup, its last partial key block), in tokens' worth
 _ROW_OVERHEAD_TOKENS = 64
-# keep the batch order unless balancing shortens the busiest thread's share by more than this
-_MIN_BALANCE_GAIN = 0.05
-
-
-def thread_balanced_order(work: np.ndarray, num_rows: int, num_threads: int) -> np.ndarray:
-    """A permutation of a group's rows that gives each kernel thread about equal ``work``.
-
-    The CPU kernel hands each thread one contiguous range of its (row, head, query block)
-    items, so rows ``[0, num_rows/T)`` go to the first thread and so on (padding rows, which
-    cost nothing, come last). With a few long sequences on one side the other threads wait:
-    on ``bench/attention.py``'s batch-32 row the two halves of the batch hold 36k and 53k
-    tokens. Longest row first into the least loaded share with room left; the identity
-    (batch order, which lets an all-decode step skip its query gather) unless that shortens
-    the busiest share by more than 5%. Only speed depends on the order, never the result.
-    """
-    n = work.size
-    identity = np.arange(n)
-    if num_threads <= 1 or n <= 1:
-        return identity
-    share = -(-num_rows // num_threads)
-    in_order = int(np.add.reduceat(work, np.arange(0, n, share)).max())
-    if (1 - _MIN_BALANCE_GAIN) * in_order <= work.sum() / num_threads:  # no order can beat the mean share by more
-        return identity
-    capacity = [min(share, max(0, n - t * share)) for t in range(num_threads)]  # real rows fill shares in order
-    load = [0] * num_threads
-    members: list[list[int]] = [[] for _ in range(num_threads)]
-    for row in np.argsort(-work, kind="stable").tolist():
-        t = min((t for t in range(num_threads) if len(members[t]) < capacity[t]), key=load.__getitem__)
-        members[t].append(row)
-        load[t] += int(work[row])
-    if max(load) > (1 - _MIN_BALANCE_GAIN) * in_order:
-        return identity
-    return np.array([row for rows in members for row in rows], dtype=np.int64)
-
-
-def _check_inputs(
-    block_tables: Tensor, seq_lens: Tensor, query_lens: Tensor, page_size: int, num_pages: int,
-    recipe: Recipe | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Validate the plan's inputs; returns them as int64 numpy arrays (tables, seq_lens, query_lens)."""
-    check_arg(block_tables.dim() == 2, "block_tables", tuple(block_tables.shape), "a 2-D [num_seqs, max_pages] tensor")
-    num_seqs, width = block_tables.shape
-    check_arg(not block_tables.is_floating_point(), "block_tables.dtype", block_tables.dtype, "an integer dtype")
-    check_arg(tuple(seq_lens.shape) == (num_seqs,), "seq_lens", tuple(seq_lens.shape), f"shape ({num_seqs},)")
-    check_arg(tuple(query_lens.shape) == (num_seqs,), "query_lens", tuple(query_lens.shape), f"shape ({num_seqs},)")
-    tables = block_tables.cpu().numpy().astype(np.int64)
-    seq_lens_n = seq_lens.cpu().numpy().astype(np.int64)
-    query_lens_n = query_lens.cpu().numpy().astype(np.int64)
-    if num_seqs == 0:
-        return tables, seq_lens_n, query_lens_n
-    lo, hi = int(tables.min()), int(tables.max())
-    check_arg(lo >= 0 and hi < num_pages, "block_tables", f"page ids in [{lo}, {hi}]", f"ids in [0, {num_pages - 1}] (pool size {num_pages})")
-    qmin, smax = int(query_lens_n.min()), int(seq_lens_n.max())
-    check_arg(qmin >= 1, "query_lens", f"min {qmin}", "at least one new token per sequence")
-    bad = np.flatnonzero(query_lens_n > seq_lens_n)
-    check_arg(bad.size == 0, "query_lens", _first(query_lens_n, bad), f"<= seq_lens ({_first(seq_lens_n, bad)})")
-    capacity = width * page_size
-    check_arg(smax <= capacity, "seq_lens", f"max {smax}", f"<= the {capacity} slots of {width} pages per block table row")
-    needed = (seq_lens_n + page_size - 1) // page_size
-    null_used = np.argwhere((tables == 0) & (np.arange(width)[None, :] < needed[:, None]))
-    if null_used.size:
-        rows, pages = null_used[:, 0], null_used[:, 1]
-        q_lo = (seq_lens_n - query_lens_n)[rows]
-        kv_lo = pages * page_size
-        kv_hi = kv_lo + page_size - 1
-        # a released page (sliding window) is fine: nobody can see it and nothing is written there
-        missing = kv_hi >= q_lo
-        if recipe is None:
-            missing = np.ones_like(missing)
-        else:
-            may, _ = recipe.block_rule(*(torch.from_numpy(a) for a in (rows, q_lo, seq_lens_n[rows] - 1, kv_lo, kv_hi)))
-            missing = missing | np.broadcast_to(torch.as_tensor(may, dtype=torch.bool).numpy(), missing.shape)
-        bad = np.flatnonzero(missing)
-        if bad.size:
-            row, page = int(rows[bad[0]]), int(pages[bad[0]])
-            raise ValueError(
-                f"block_tables: row {row} has seq_lens {int(seq_lens_n[row])}, which needs {int(needed[row])} pages, "
-                f"but its page {page} is the null page 0 (a sequence longer than its blocks; only pages "
-                "outside every query's window may be released)"
-            )
-    return tables, seq_lens_n, query_lens_n
-
-
-def _first(values: np.ndarray, idx: np.ndarray) -> int | None:
-    return int(values[idx[0]]) if idx.size else None
-
-
 def token_positions(seq_lens: np.ndarray, query_lens: np.ndarray) -> np.ndarray:
     """Logical position of every new token, in flat order (sequence 0's new tokens, then 1's, ...)."""
     starts = np.cumsum(query_lens) - query_lens  # flat index of each sequence's first new token
