@@ -12,8 +12,9 @@ import typer
 
 MODEL_IMPL_HELP = ("auto | flexpage | transformers: the compact forward (Llama, Mistral, Qwen2/3) or HF's modules "
                    "around the paged attention; auto = compact where the model has one.")
-RECIPE_HELP = ("Attention recipe for every layer instead of the model's own: 'package.module:attr' or "
-               "'path/file.py[:attr]' (a Recipe, or a function of no arguments returning one).")
+RECIPE_HELP = ("Attention recipe instead of the model's own: 'package.module:attr' or 'path/file.py[:attr]' "
+               "(a Recipe, or a function of no arguments returning one) for every layer, or KIND=RECIPE for the "
+               "layers of one kind (full_attention, sliding_attention; repeat the option for both).")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Paged FlexAttention LLM engine and server.")
 
@@ -42,18 +43,20 @@ def generate(
     kv_cache_memory: str = typer.Option("1GiB"),
     eager: bool = typer.Option(False, help="Run attention without torch.compile (debugging)."),
     model_impl: str = typer.Option("auto", help=MODEL_IMPL_HELP),
-    recipe: Optional[str] = typer.Option(None, help=RECIPE_HELP),
+    recipe: Optional[list[str]] = typer.Option(None, help=RECIPE_HELP),
 ) -> None:
     """Generate completions for PROMPTS and print them with a summary."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from flexpage import LLM, SamplingParams
+    from flexpage.model.layer_recipes import parse_recipe_option
 
     console = Console()
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, n=n)
+        recipe_choice = parse_recipe_option(recipe)
     except ValueError as error:
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2) from error
@@ -61,7 +64,7 @@ def generate(
         with console.status("loading model"):
             llm = LLM(model, dtype=dtype, block_size=block_size, attention_block_size=attention_block_size,
                       num_blocks=num_blocks,
-                      kv_cache_memory=kv_cache_memory, compile=not eager, model_impl=model_impl, recipe=recipe)
+                      kv_cache_memory=kv_cache_memory, compile=not eager, model_impl=model_impl, recipe=recipe_choice)
     except ValueError as error:
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2) from error
@@ -120,7 +123,7 @@ def serve(
     dtype: str = typer.Option("auto", help="auto | bfloat16 | float16 | float32."),
     eager: bool = typer.Option(False, help="Run attention without torch.compile (no compile wait; slow, debugging)."),
     model_impl: str = typer.Option("auto", help=MODEL_IMPL_HELP),
-    recipe: Optional[str] = typer.Option(None, help=RECIPE_HELP),
+    recipe: Optional[list[str]] = typer.Option(None, help=RECIPE_HELP),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable KV reuse across requests."),
     swap_space: str = typer.Option("0", help="Host memory for preemption by swapping, e.g. 1GiB."),
     preemption_mode: str = typer.Option("recompute", help="recompute | swap (needs --swap-space)."),
@@ -133,18 +136,24 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     from rich.console import Console
 
+    from flexpage.model.layer_recipes import parse_recipe_option
     from flexpage.server.main import ServeSettings, run_server
 
     if kv_cache_memory is not None and num_blocks is not None:
         Console(stderr=True).print("[red]error:[/red] give either --kv-cache-memory or --num-blocks, not both")
         raise typer.Exit(2)
+    try:
+        recipe_choice = parse_recipe_option(recipe)
+    except ValueError as error:
+        Console(stderr=True).print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2) from error
     settings = ServeSettings(
         model=model, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
         max_model_len=max_model_len, block_size=block_size, attention_block_size=attention_block_size,
         kv_cache_memory=kv_cache_memory or "1GiB",
         num_blocks=num_blocks,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, eager=eager,
-        model_impl=model_impl, recipe=recipe,
+        model_impl=model_impl, recipe=recipe_choice,
         enable_prefix_caching=not no_prefix_caching, swap_space=swap_space, preemption_mode=preemption_mode,
         seed=seed, max_request_body=max_request_body, drain_timeout=drain_timeout, warmup=warmup,
         log_level=log_level,

@@ -70,8 +70,9 @@ class EngineConfig:
     # "transformers" (HF's modules), "auto" (compact where the model has one); see ModelRunner
     model_impl: str = "auto"
     seed: int = 0
-    # attention recipe(s) replacing the model's own: a Recipe for every layer, "module:attr" or
-    # "path/file.py[:attr]", or one per layer; None: the model's (see flexpage.model.layer_recipes)
+    # attention recipe(s) replacing the model's own: a Recipe ("module:attr", "path/file.py[:attr]")
+    # for every layer, a {layer kind: recipe} mapping, or one per layer; None: the model's
+    # (see flexpage.model.layer_recipes.RecipeChoice)
     recipe: Any = None
 
     def __post_init__(self) -> None:

@@ -91,7 +91,9 @@ def llm_factory():
 
     def get(model, **config) -> LLM:
         config = {"dtype": "float32", "compile": False, "num_blocks": 64, **config}
-        key = (str(model) if model is not None else None, tuple(sorted(config.items())))
+        frozen = {name: tuple(sorted(value.items())) if isinstance(value, dict) else value
+                  for name, value in config.items()}
+        key = (str(model) if model is not None else None, tuple(sorted(frozen.items())))
         if key not in engines:
             engines[key] = LLM(str(model) if model is not None else None, **config)
         return engines[key]

@@ -18,7 +18,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from flexpage import SamplingParams
 from flexpage.attention.recipe import Recipe
-from flexpage.model.layer_recipes import engine_recipes, load_recipe, model_recipes
+from flexpage.model.layer_recipes import engine_recipes, load_recipe, model_recipes, parse_recipe_option
 from flexpage.recipes import attention_sinks, causal, chunked_local
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -127,6 +127,49 @@ def test_one_recipe_per_layer_must_match_the_layer_count(tiny_model):
     assert engine_recipes(causal(), config) == (causal(),) * 2
     with pytest.raises(ValueError, match="one per layer"):
         engine_recipes([causal()] * 3, config)
+
+
+def test_a_recipe_can_replace_one_layer_kind(tiny_model, llm_factory):
+    """Gemma2's sliding layers run Llama-4-style chunks, its global layers keep the model's own
+    recipe (causal + soft-capping): the engine generates what dense attention with those
+    recipes generates."""
+    folder = tiny_model("gemma2")
+    config = load_reference(folder).config
+    own = model_recipes(config)
+    local = chunked_local(8)
+    chosen = engine_recipes({"sliding_attention": local}, config)
+    assert config.layer_types == ["sliding_attention", "full_attention"]
+    assert chosen == (local, own[1])
+    expected = dense_greedy(folder, chosen)
+    assert expected != dense_greedy(folder, own), "indistinguishable"
+    got, _ = engine_greedy(llm_factory, folder, {"sliding_attention": local})
+    assert got == expected
+
+
+def test_a_layer_kind_the_model_lacks_is_refused(tiny_model):
+    config = load_reference(tiny_model("llama")).config
+    with pytest.raises(ValueError, match="no layer of this model is 'sliding_attention'; its layers are full_attention"):
+        engine_recipes({"sliding_attention": causal()}, config)
+
+
+@pytest.mark.parametrize("values, choice", [
+    (None, None),
+    (["recipes/chunked_local.py"], "recipes/chunked_local.py"),
+    (["sliding_attention=a:b", "full_attention=c.py"], {"sliding_attention": "a:b", "full_attention": "c.py"}),
+])
+def test_the_recipe_option_names_one_recipe_or_one_per_kind(values, choice):
+    assert parse_recipe_option(values) == choice
+
+
+@pytest.mark.parametrize("values, message", [
+    (["a:b", "c:d"], "one recipe for every layer, or KIND=RECIPE"),
+    (["sliding_attention=a:b", "c:d"], "one recipe for every layer, or KIND=RECIPE"),
+    (["local=a:b"], "unknown layer kind 'local'"),
+    (["full_attention=a:b", "full_attention=c:d"], "named twice"),
+])
+def test_a_bad_recipe_option_says_what_is_wrong(values, message):
+    with pytest.raises(ValueError, match=message):
+        parse_recipe_option(values)
 
 
 def test_hf_attention_arguments_must_match_the_models_own_recipes():

@@ -4,7 +4,8 @@ Both attention paths read it: the paged engine (:class:`~flexpage.model.runner.M
 builds the list once per model) and the HF backend (``attn_implementation="flexpage"``, which
 maps each call's HF keyword arguments through :func:`recipe_for`). A user's recipe replaces
 the model's (``LLM(recipe=...)``, ``EngineConfig.recipe``, ``flexpage serve --recipe``): one
-recipe for every layer, or one per layer. The block manager's layer groups follow the
+recipe for every layer, one per layer kind (``{"sliding_attention": ...}``: HF's ``layer_types``
+names; the other kinds keep the model's), or one per layer. The block manager's layer groups follow the
 chosen recipes' declared ``window``, so a recipe that never looks back far releases blocks
 whatever the model's config says.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union
 
@@ -22,10 +23,14 @@ from flexpage.attention.recipe import CAUSAL, Recipe, compose
 from flexpage.core.layer_groups import layer_windows
 
 #: what a user may pass as a recipe: a Recipe, ``"module:attr"`` / ``"path/file.py[:attr]"``,
-#: or one of those per layer
-RecipeChoice = Union[Recipe, str, Sequence[Union[Recipe, str]], None]
+#: one of those per layer kind (a mapping from :data:`LAYER_KINDS`), or one per layer
+RecipeChoice = Union[Recipe, str, Mapping[str, Union[Recipe, str]], Sequence[Union[Recipe, str]], None]
 
-__all__ = ["RecipeChoice", "engine_recipes", "load_recipe", "model_recipes", "recipe_for"]
+#: the layer kinds a recipe choice may name (HF's ``layer_types`` vocabulary)
+LAYER_KINDS = ("full_attention", "sliding_attention")
+
+__all__ = ["LAYER_KINDS", "RecipeChoice", "engine_recipes", "load_recipe", "model_recipes", "parse_recipe_option",
+           "recipe_for"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,17 +107,47 @@ def load_recipe(spec: str) -> Recipe:
 
 def engine_recipes(choice: RecipeChoice, config: Any) -> tuple[Recipe, ...]:
     """The recipe of every decoder layer: the model's own (``choice`` None), one recipe for all
-    layers, or one per layer."""
+    layers, one per layer kind, or one per layer."""
     recipes = model_recipes(config)
     if choice is None:
         return recipes
     if isinstance(choice, (Recipe, str)):
         return (_as_recipe(choice),) * len(recipes)
+    if isinstance(choice, Mapping):
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        kinds = [LAYER_KINDS[window is not None] for window in layer_windows(text_config)]
+        unknown = sorted(set(choice) - set(kinds))
+        if unknown:
+            raise ValueError(f"recipe: no layer of this model is {', '.join(map(repr, unknown))}; its layers are "
+                             f"{', '.join(sorted(set(kinds)))}")
+        chosen_by_kind = {kind: _as_recipe(value) for kind, value in choice.items()}
+        return tuple(chosen_by_kind.get(kind, recipe) for kind, recipe in zip(kinds, recipes))
     chosen = tuple(_as_recipe(c) for c in choice)
     if len(chosen) != len(recipes):
         raise ValueError(f"recipe: got {len(chosen)} recipes, expected one for all layers or one per layer "
                          f"({len(recipes)})")
     return chosen
+
+
+def parse_recipe_option(values: Sequence[str] | None) -> RecipeChoice:
+    """The recipe choice of a repeatable command-line option: none, one ``spec`` for every
+    layer, or ``kind=spec`` pairs (e.g. ``--recipe sliding_attention=recipes/chunked_local.py``)."""
+    if not values:
+        return None
+    pairs = [value.partition("=") for value in values]
+    for kind, sep, _ in pairs:
+        if sep and kind.isidentifier() and kind not in LAYER_KINDS:
+            raise ValueError(f"recipe: unknown layer kind {kind!r} in {kind}=...; kinds: {', '.join(LAYER_KINDS)}")
+    by_kind = [(kind, spec) for kind, sep, spec in pairs if sep and kind in LAYER_KINDS]
+    if not by_kind and len(values) == 1:
+        return values[0]
+    if len(by_kind) != len(values):
+        raise ValueError(f"recipe: got {list(values)}; give one recipe for every layer, or KIND=RECIPE for each "
+                         f"kind to change (kinds: {', '.join(LAYER_KINDS)})")
+    kinds = [kind for kind, _ in by_kind]
+    if len(set(kinds)) != len(kinds):
+        raise ValueError(f"recipe: a layer kind is named twice in {list(values)}")
+    return dict(by_kind)
 
 
 def _as_recipe(choice: Recipe | str) -> Recipe:

@@ -15,7 +15,10 @@ import pathlib
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flexpage.model.layer_recipes import RecipeChoice
 
 __all__ = ["ServeSettings", "run_server"]
 
@@ -39,7 +42,7 @@ class ServeSettings:
     dtype: str = "auto"
     eager: bool = False
     model_impl: str = "auto"
-    recipe: str | None = None  # "module:attr" or "path/file.py[:attr]"; None: the model's own
+    recipe: RecipeChoice = None  # see flexpage.model.layer_recipes; None: the model's own
     enable_prefix_caching: bool = True
     swap_space: str = "0"
     preemption_mode: str = "recompute"
