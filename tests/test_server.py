@@ -272,6 +272,48 @@ def test_logprobs(server: ServerProcess) -> None:
     assert bytes(content[0].bytes).decode() == content[0].token
 
 
+def _sse_events(response: httpx.Response) -> list[dict]:
+    lines = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]", lines[-3:]
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_openapi_describes_what_the_server_sends(server: ServerProcess) -> None:
+    """/openapi.json names each endpoint's request and response models, and real bodies --
+    plain, streamed, with logprobs, errors -- validate against those models (they forbid
+    unknown fields), so the schema clients and fuzzers read is the server's."""
+    from flexpage.server.schema import RESPONSE_MODELS
+
+    spec = httpx.get(server.base_url + "/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    for path, request, response in (("/v1/completions", "CompletionRequest", "CompletionResponse"),
+                                    ("/v1/chat/completions", "ChatCompletionRequest", "ChatCompletionResponse")):
+        operation = spec["paths"][path]["post"]
+        assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + request)
+        assert operation["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + response)
+        assert operation["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+        assert request in schemas and response in schemas
+    assert "messages" in schemas["ChatCompletionRequest"]["required"]
+
+    def check(model: str, body: dict) -> None:
+        RESPONSE_MODELS[model].model_validate(body)
+
+    base = {"model": MODEL, "max_tokens": 3, "temperature": 0}
+    check("CompletionResponse", _post(server, "/v1/completions", {**base, "prompt": ["Hi", "Yo"], "logprobs": 2}).json())
+    chat = {**base, "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 2}
+    check("ChatCompletionResponse", _post(server, "/v1/chat/completions", chat).json())
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
+    for event in _sse_events(_post(server, "/v1/completions", {**base, "prompt": "Hi", **stream})):
+        check("CompletionResponse", event)
+    events = _sse_events(_post(server, "/v1/chat/completions", {**chat, **stream}))
+    for event in events:
+        check("ChatCompletionChunk", event)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
+    check("ModelList", httpx.get(server.base_url + "/v1/models", headers=server.headers).json())
+    check("ModelCard", httpx.get(server.base_url + f"/v1/models/{MODEL}", headers=server.headers).json())
+    check("ErrorResponse", _post(server, "/v1/completions", {**base, "prompt": "Hi", "n": 0}).json())
+
+
 def test_32_concurrent_streaming_clients(server: ServerProcess, offline: dict) -> None:
     client = server.async_openai()
 
@@ -557,3 +599,38 @@ def test_serve_with_a_recipe_from_a_file(tiny_model: Any, tmp_path: Any) -> None
         assert "chunked_local(16) (all 2 layers)  (--recipe)" in server.output()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_a_stream_cut_by_the_drain_timeout_ends_as_aborted(tiny_model: Any, chat: bool) -> None:
+    """SIGTERM with a stream that outlives ``--drain-timeout``: the stream ends with an ``abort``
+    finish chunk, a 503-style ``shutting_down`` error event and ``[DONE]``; the process exits 0."""
+    server = ServerProcess("--model", str(tiny_model("llama")), "--dtype", "float32", "--eager", "--num-blocks", "512",
+                           "--max-model-len", "2048", "--drain-timeout", "1", "--no-warmup")
+    server.start().wait_ready()
+    lines: list[str] = []
+    body: dict[str, Any] = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0, "stream": True}
+    body.update({"messages": [{"role": "user", "content": "Go"}]} if chat else {"prompt": "Go"})
+
+    def consume() -> None:
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        with httpx.stream("POST", server.base_url + path, json=body, timeout=120) as response:
+            lines.extend(line for line in response.iter_lines() if line)
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(lines) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(lines) >= 3, "the stream did not start"
+        server.proc.send_signal(15)  # SIGTERM
+        thread.join(timeout=60)
+        assert server.proc.wait(timeout=30) == 0
+    finally:
+        server.stop()
+    assert lines[-1] == "data: [DONE]"
+    *chunks, error = [json.loads(line[6:]) for line in lines[:-1]]
+    assert error["error"]["code"] == "shutting_down" and error["error"]["type"] == "service_unavailable", error
+    assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])

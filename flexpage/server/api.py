@@ -19,6 +19,7 @@ from typing import Any, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -36,6 +37,15 @@ from flexpage.server.protocol import (
     validation_error,
 )
 from flexpage.server.responses import run_request
+from flexpage.server.schema import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    openapi_schema,
+    route_docs,
+)
 from flexpage.server.state import ServerState
 
 __all__ = ["ServerState", "build_app"]
@@ -104,8 +114,17 @@ async def _in_tokenizer_thread(state: ServerState, fn: Callable[[], Any]) -> Any
 # -- the app -------------------------------------------------------------------------------------------
 def build_app(state: ServerState) -> Any:
     """The ASGI app (FastAPI wrapped in :class:`Guard`)."""
-    app = FastAPI(title="flexpage", docs_url=None, redoc_url=None, openapi_url=None)
+    from flexpage import __version__
+
+    app = FastAPI(title="flexpage", version=__version__, docs_url=None, redoc_url=None)
     app.state.flexpage = state
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_schema(get_openapi(title=app.title, version=app.version, routes=app.routes))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:
@@ -148,11 +167,11 @@ def build_app(state: ServerState) -> Any:
         return {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "flexpage",
                 "max_model_len": state.max_model_len, "attention_recipes": state.recipes}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", openapi_extra=route_docs(None, ModelList))
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", openapi_extra=route_docs(None, ModelCard))
     async def get_model(model_id: str) -> dict[str, Any]:
         _check_model(state, model_id)
         return model_card()
@@ -165,7 +184,7 @@ def build_app(state: ServerState) -> Any:
         unsupported_fields(req)
         return req, arrival
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=route_docs(CompletionRequest, CompletionResponse, CompletionResponse))
     async def completions(request: Request) -> Response:
         req, arrival = await read_request(request, CompletionRequest)
         params = _sampling_params(req, req.max_tokens, req.logprobs)
@@ -176,7 +195,8 @@ def build_app(state: ServerState) -> Any:
                           include_usage=bool(req.stream_options and req.stream_options.include_usage),
                           top_k=req.logprobs or 0)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions",
+              openapi_extra=route_docs(ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
         req, arrival = await read_request(request, ChatCompletionRequest)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:

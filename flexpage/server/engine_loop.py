@@ -41,6 +41,9 @@ __all__ = ["Accepted", "Delta", "EngineLoop", "Failed", "SampleDelta", "Sink"]
 
 log = logging.getLogger("flexpage.server")
 
+#: the message of every request ended by a shutdown
+SHUTTING_DOWN = "the server is shutting down"
+
 
 @dataclass(frozen=True)
 class SampleDelta:
@@ -76,6 +79,7 @@ class Failed:
     message: str
     client_error: bool = False
     param: str | None = None
+    shutdown: bool = False  # aborted because the server is shutting down (the client may retry elsewhere)
 
 
 @dataclass
@@ -127,7 +131,7 @@ class Abort:
 
 @dataclass(frozen=True)
 class AbortAll:
-    message: str
+    """Abort every live request (the server is shutting down)."""
 
 
 @dataclass(frozen=True)
@@ -209,9 +213,9 @@ class EngineLoop:
         """Abort a request (idempotent; unknown or finished ids are ignored)."""
         self._commands.put(Abort(request_id))
 
-    def abort_all(self, message: str = "the server is shutting down") -> None:
-        """Abort every live request; each gets a :class:`Failed` item."""
-        self._commands.put(AbortAll(message))
+    def abort_all(self) -> None:
+        """Shutting down: abort every live request; each gets a :class:`Failed` item."""
+        self._commands.put(AbortAll())
 
     def stop(self, timeout: float = 10.0) -> None:
         """Abort what is left, end the thread and wait for it (bounded)."""
@@ -235,7 +239,7 @@ class EngineLoop:
             while command is not None:
                 handled = True
                 if isinstance(command, Stop):
-                    self._abort_all("the server is shutting down")
+                    self._abort_all(SHUTTING_DOWN, shutdown=True)
                     self._flush()
                     self._refresh_stats()
                     return
@@ -294,7 +298,7 @@ class EngineLoop:
             if live is not None and self._abort_engine(command.request_id) and self.metrics is not None:
                 self.metrics.observe_finish("abort")
         elif isinstance(command, AbortAll):
-            self._abort_all(command.message)
+            self._abort_all(SHUTTING_DOWN, shutdown=True)
 
     def _add(self, command: AddRequest) -> None:
         sink, tag = command.sink, command.tag
@@ -319,11 +323,11 @@ class EngineLoop:
             log.error("abort(%s) failed:\n%s", request_id, traceback.format_exc())
             return False
 
-    def _abort_all(self, message: str) -> None:
+    def _abort_all(self, message: str, shutdown: bool = False) -> None:
         for request_id, live in list(self._live.items()):
             if self._abort_engine(request_id) and self.metrics is not None:
                 self.metrics.observe_finish("abort")
-            self._post(live.sink, Failed(live.tag, message))
+            self._post(live.sink, Failed(live.tag, message, shutdown=shutdown))
         self._live.clear()
 
     def _dispatch(self, out: RequestOutput) -> None:

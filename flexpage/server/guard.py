@@ -14,7 +14,7 @@ from flexpage.server.state import ServerState
 
 __all__ = ["Guard", "error_response"]
 
-_KNOWN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+_KNOWN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
 
 
 

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from flexpage.sampling_params import SamplingParams
 from flexpage.server.engine_loop import Accepted, Delta, Failed, SampleDelta, Sink
-from flexpage.server.protocol import APIError, error_body
+from flexpage.server.protocol import APIError
 from flexpage.server.state import ServerState
 
 __all__ = ["run_request"]
@@ -63,8 +63,7 @@ class Submission:
             self.abort()
             if failure.client_error:
                 raise APIError(400, failure.message, param=failure.param, code="invalid_value")
-            raise APIError(503 if "shutting down" in failure.message else 500, failure.message,
-                           type="server_error", code="engine_error")
+            raise _failure_error(failure)
 
     async def items(self) -> AsyncIterator[Delta | Failed]:
         """Deltas until every prompt finished; a ``Failed`` ends the stream."""
@@ -187,6 +186,13 @@ def _chat_logprobs(token_ids: tuple[int, ...], entries: tuple[dict, ...], k: int
     return {"content": content}
 
 
+def _failure_error(failure: Failed) -> APIError:
+    """The error of a request the engine ended: 503 ``shutting_down`` (retry elsewhere) or 500."""
+    if failure.shutdown:
+        return APIError(503, failure.message, type="service_unavailable", code="shutting_down")
+    return APIError(500, failure.message, type="server_error", code="engine_error")
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -246,8 +252,7 @@ async def _collect(request: Request, state: ServerState, submission: Submission,
             consumer.cancel()
         submission.abort()
     if failure is not None:
-        status = 503 if "shutting down" in failure.message else 500
-        raise APIError(status, failure.message, type="server_error", code="engine_error")
+        raise _failure_error(failure)
     body_choices = []
     for i, choice in enumerate(choices):
         logprobs = None
@@ -308,11 +313,17 @@ async def _stream(request: Request, state: ServerState, submission: Submission, 
                              "finish_reason": None})
         async for item in submission.items():
             if isinstance(item, Failed):
-                yield _sse(error_body(item.message, "server_error", None, "engine_error"))
+                if item.shutdown:  # every unfinished choice ends as aborted, then the reason
+                    for index, choice in enumerate(choices):
+                        if choice.finish_reason is None:
+                            yield chunk({"index": index, **({"delta": {}} if chat else {"text": ""}),
+                                         "logprobs": None, "finish_reason": "abort"})
+                yield _sse(_failure_error(item).body())
                 break
             usage.update(item)
             for sample in item.samples:
                 index = item.tag * n + sample.index
+                choices[index].finish_reason = sample.finish_reason or choices[index].finish_reason
                 data = sample_chunk(index, choices[index], sample)
                 if data is not None:
                     yield data
