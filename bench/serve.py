@@ -52,7 +52,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 
 # -- workload -----------------------------------------------------------------------------------
-BLOCK_SIZE = 16  # flexpage serve's default --block-size
+BLOCK_SIZE = 8  # flexpage serve's default --block-size (the prefix cache reuses whole blocks)
 PROMPT_DIST = {"median": 64, "sigma": 0.8, "min": 8, "max": 512}
 OUTPUT_DIST = {"median": 24, "sigma": 0.6, "min": 4, "max": 128}
 
@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer-tokens", type=int, default=24)
     parser.add_argument("--slo-ttft", type=float, default=5.0, help="SLO: time to first token (s)")
     parser.add_argument("--slo-tpot", type=float, default=0.5, help="SLO: time per output token (s)")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--num-blocks", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=64, help="flexpage batch limit")
     parser.add_argument("--seed", type=int, default=0)
