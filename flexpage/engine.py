@@ -194,8 +194,9 @@ class LLMEngine:
         return bool(self.requests)
 
     def warm_up(self) -> float:
-        """Compile the attention variants a serving run meets, so no request pays for them;
-        returns the seconds it took. Needs an idle engine; leaves it idle with an empty
+        """Compile the attention variants a serving run meets, and build the matmul kernels of
+        every row bucket (:meth:`CompactDecoder.prime`), so no request pays for them; returns
+        the seconds it took. Needs an idle engine; leaves it idle with an empty
         prefix cache (every block back in the pool).
 
         The compiled kernel specialises on the prefill query block and on one-row groups, so
@@ -206,6 +207,8 @@ class LLMEngine:
         if self.requests:
             raise ValueError(f"warm_up: the engine has {len(self.requests)} unfinished requests; warm up an idle one")
         start = time.perf_counter()
+        if self.runner.compact is not None:
+            self.runner.compact.prime(self.config.max_num_batched_tokens, self.config.max_num_seqs)
 
         def ids(first: int, count: int) -> list[int]:  # distinct token ids, valid for any vocabulary
             return [(first + j) % self.vocab_size for j in range(count)]

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from engine_models import load_reference, random_prompts
 from flexpage.config import EngineConfig
 from flexpage.model.compact import CompactDecoder, supports
-from flexpage.model.packed_linear import PackedLinear, can_prepack
+from flexpage.model.packed_linear import PackedLinear, can_prepack, padded_rows
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -126,6 +126,27 @@ def test_packed_linear_matches_f_linear(dtype, rows):
     else:  # PackedLinear is F.linear itself
         assert torch.equal(linear(x), F.linear(x, weight, bias))
         assert torch.equal(linear(x_strided), F.linear(x_strided, weight, bias))
+
+
+def test_packed_rows_come_in_few_buckets():
+    """oneDNN builds (and keeps) a kernel per input shape: every row count a step can have maps
+    to one of 24 buckets up to 2048, never fewer rows, at most 15 extra up to 128 and 25% above."""
+    buckets = {padded_rows(rows) for rows in range(1, 2049)}
+    assert len(buckets) == 24 and max(buckets) == 2048
+    for rows in range(1, 2049):
+        padded = padded_rows(rows)
+        assert padded >= rows and padded % 16 == 0
+        assert padded - rows <= (15 if rows <= 128 else rows // 4), rows
+
+
+def test_a_packed_linear_pads_rows_without_changing_them():
+    """A padded row is computed as if alone: same values as the unpadded bucket-sized call."""
+    weight = torch.randn(96, 48, dtype=torch.bfloat16)
+    linear = PackedLinear(weight)
+    x = torch.randn(16, 48, dtype=torch.bfloat16)
+    assert linear(x[:5]).shape == (5, 96)
+    if linear.packed:
+        assert torch.equal(linear(x[:5]), linear(torch.cat([x[:5], x.new_zeros(11, 48)]))[:5])
 
 
 @pytest.mark.parametrize(("kind", "expected"), [(k, True) for k in LLAMA_FAMILY] + [("gemma2", False), ("bloom", False)])

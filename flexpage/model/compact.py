@@ -102,6 +102,17 @@ class CompactDecoder:
         )
 
     @torch.no_grad()
+    def prime(self, max_rows: int, max_sampled_rows: int) -> None:
+        """Build the matmul kernels of every row bucket a step can meet (see
+        :meth:`PackedLinear.prime`): ``max_rows`` tokens per step, ``max_sampled_rows`` of them
+        sampled. oneDNN caches kernels by shape, so one linear per weight shape is enough."""
+        by_shape = {(linear.in_features, linear.out_features): linear
+                    for layer in self.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)}
+        for linear in by_shape.values():
+            linear.prime(max_rows)
+        self.lm_head.prime(max_sampled_rows)
+
+    @torch.no_grad()
     def forward(self, token_ids: Tensor, positions: Tensor, sample_rows: Tensor, attend: Attend) -> Tensor:
         """Logits ``[len(sample_rows), vocab]`` (model dtype) of a flat batch ``token_ids [T]``
         at logical ``positions [T]``; ``attend`` writes/reads the KV cache of each layer."""
