@@ -16,6 +16,7 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
 from server_fixtures import ServerProcess
 
 pytestmark = pytest.mark.fuzz
@@ -34,7 +35,7 @@ def _check_error_shape(response: Any) -> None:
 
 def test_fuzzed_requests_never_break_the_server(tiny_model: Any) -> None:
     server = ServerProcess("--model", str(tiny_model("llama")), "--dtype", "float32", "--eager", "--num-blocks", "256",
-                           "--max-model-len", "256", "--max-num-seqs", "16", "--no-warmup")
+                           "--max-model-len", "32", "--max-num-seqs", "64", "--no-warmup")
     server.start().wait_ready()
     statuses: Counter[int] = Counter()
     try:
@@ -54,7 +55,11 @@ def test_fuzzed_requests_never_break_the_server(tiny_model: Any) -> None:
                     if response.status_code >= 400:
                         _check_error_shape(response)
 
-                send()
+                try:
+                    send()
+                except Unsatisfiable:  # an operation without parameters or body has no invalid form
+                    assert mode is schemathesis.GenerationMode.NEGATIVE and not operation.label.startswith("POST")
+        print(f"fuzzed {sum(statuses.values())} requests; statuses {dict(sorted(statuses.items()))}")
         assert sum(statuses.values()) >= 1000, statuses
         assert statuses[200] > 0 and any(400 <= status < 500 for status in statuses), statuses
         server.wait_idle(timeout=60)  # every KV block back in the pool
