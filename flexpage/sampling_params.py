@@ -36,9 +36,15 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _require_int(name: str, value: Any) -> int:
+#: integer parameters end up in int64 tensors: larger values are refused here, not deep in a step
+_INT64 = range(-(2**63), 2**63)
+
+
+def _require_int(name: str, value: Any, *, int64: bool = True) -> int:
     if not _is_int(value):
         raise InvalidParameter(name, f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if int64 and int(value) not in _INT64:
+        raise InvalidParameter(name, f"{name} must fit in a signed 64-bit integer, got {value!r}")
     return int(value)
 
 
@@ -131,7 +137,7 @@ class SamplingParams:
                                    f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
 
         if self.seed is not None:
-            self.seed = _require_int("seed", self.seed)
+            self.seed = _require_int("seed", self.seed, int64=False)  # any int: make_generator folds it
 
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
@@ -194,8 +200,8 @@ class SamplingParams:
                 raise InvalidParameter("stop_token_ids",
                     f"stop_token_ids must contain only int, got {t!r} ({type(t).__name__}) in {ids!r}"
                 )
-            if t < 0:
-                raise InvalidParameter("stop_token_ids", f"stop_token_ids must be >= 0, got {t!r} in {ids!r}")
+            if not 0 <= t < 2**63:
+                raise InvalidParameter("stop_token_ids", f"stop_token_ids must be in [0, 2**63), got {t!r} in {ids!r}")
             out.append(int(t))
         return out
 

@@ -89,6 +89,9 @@ def test_valid(kwargs):
         ("top_p", 1.01, {}),
         ("top_k", -2, {}),
         ("top_k", 1.0, {}),
+        ("top_k", 2**63, {}),  # ints reach int64 tensors: a larger one failed the whole engine step
+        ("stop_token_ids", [2**63], {}),
+        ("min_tokens", -(2**63) - 1, {}),
         ("min_p", -0.01, {}),
         ("min_p", 1.01, {}),
         ("presence_penalty", 2.01, {}),

@@ -385,6 +385,9 @@ BAD_REQUESTS = [
     ("/v1/completions", b'{"prompt": "x", "temperature": -1}', 400, "temperature", None),
     ("/v1/completions", b'{"prompt": "x", "top_p": 1.5}', 400, "top_p", None),
     ("/v1/completions", b'{"prompt": "x", "top_k": -5}', 400, "top_k", None),
+    # found by the fuzzer: ints past 64 bits failed the engine step (500 for every request in it)
+    ("/v1/completions", b'{"prompt": "x", "top_k": 18446744073709551617}', 400, "top_k", None),
+    ("/v1/completions", b'{"prompt": "x", "stop_token_ids": [18446744073709551617]}', 400, "stop_token_ids", None),
     ("/v1/completions", b'{"prompt": "x", "min_p": 2}', 400, "min_p", None),
     ("/v1/completions", b'{"prompt": "x", "presence_penalty": 3}', 400, "presence_penalty", None),
     ("/v1/completions", b'{"prompt": "x", "frequency_penalty": -3}', 400, "frequency_penalty", None),
