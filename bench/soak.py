@@ -32,7 +32,6 @@ import httpx
 
 from bench.serve import Backend, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("the of and to in is was for on that with as by at from his her this which or had are not but be "
          "they one all were we there been has have their more when who will would no out so what up its into "
          "than them can only other new some could time these two may then do first any my now such like our "

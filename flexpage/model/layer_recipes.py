@@ -55,7 +55,7 @@ def model_recipes(config: Any) -> tuple[Recipe, ...]:
     and Gemma2's ``attn_logit_softcapping``; Bloom computes ALiBi in its own attention
     module, so its layers get :func:`~flexpage.recipes.alibi.alibi`.
     """
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text_config = _text_config(config)
     if getattr(config, "model_type", None) == "bloom":
         from flexpage.recipes.alibi import alibi
 
@@ -114,7 +114,7 @@ def engine_recipes(choice: RecipeChoice, config: Any) -> tuple[Recipe, ...]:
     if isinstance(choice, (Recipe, str)):
         return (_as_recipe(choice),) * len(recipes)
     if isinstance(choice, Mapping):
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text_config = _text_config(config)
         kinds = [LAYER_KINDS[window is not None] for window in layer_windows(text_config)]
         unknown = sorted(set(choice) - set(kinds))
         if unknown:
@@ -148,6 +148,11 @@ def parse_recipe_option(values: Sequence[str] | None) -> RecipeChoice:
     if len(set(kinds)) != len(kinds):
         raise ValueError(f"recipe: a layer kind is named twice in {list(values)}")
     return dict(by_kind)
+
+
+def _text_config(config: Any) -> Any:
+    """The decoder's config (multimodal configs nest it)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _as_recipe(choice: Recipe | str) -> Recipe:
