@@ -12,6 +12,8 @@ import typer
 
 MODEL_IMPL_HELP = ("auto | flexpage | transformers: the compact forward (Llama, Mistral, Qwen2/3) or HF's modules "
                    "around the paged attention; auto = compact where the model has one.")
+DETERMINISTIC_HELP = ("Bit-identical greedy tokens and logprobs for a request whatever else is batched with it, "
+                      "however its prompt is chunked, with or without a prefix-cache hit (slower: docs/deterministic.md).")
 RECIPE_HELP = ("Attention recipe instead of the model's own: 'package.module:attr' or 'path/file.py[:attr]' "
                "(a Recipe, or a function of no arguments returning one) for every layer, or KIND=RECIPE for the "
                "layers of one kind (full_attention, sliding_attention; repeat the option for both).")
@@ -44,6 +46,7 @@ def generate(
     eager: bool = typer.Option(False, help="Run attention without torch.compile (debugging)."),
     model_impl: str = typer.Option("auto", help=MODEL_IMPL_HELP),
     recipe: Optional[list[str]] = typer.Option(None, help=RECIPE_HELP),
+    deterministic: bool = typer.Option(False, "--deterministic", help=DETERMINISTIC_HELP),
 ) -> None:
     """Generate completions for PROMPTS and print them with a summary."""
     from rich.console import Console
@@ -64,7 +67,8 @@ def generate(
         with console.status("loading model"):
             llm = LLM(model, dtype=dtype, block_size=block_size, attention_block_size=attention_block_size,
                       num_blocks=num_blocks,
-                      kv_cache_memory=kv_cache_memory, compile=not eager, model_impl=model_impl, recipe=recipe_choice)
+                      kv_cache_memory=kv_cache_memory, compile=not eager, model_impl=model_impl, recipe=recipe_choice,
+                      deterministic=deterministic)
     except ValueError as error:
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2) from error
@@ -124,6 +128,7 @@ def serve(
     eager: bool = typer.Option(False, help="Run attention without torch.compile (no compile wait; slow, debugging)."),
     model_impl: str = typer.Option("auto", help=MODEL_IMPL_HELP),
     recipe: Optional[list[str]] = typer.Option(None, help=RECIPE_HELP),
+    deterministic: bool = typer.Option(False, "--deterministic", help=DETERMINISTIC_HELP),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable KV reuse across requests."),
     swap_space: str = typer.Option("0", help="Host memory for preemption by swapping, e.g. 1GiB."),
     preemption_mode: str = typer.Option("recompute", help="recompute | swap (needs --swap-space)."),
@@ -153,7 +158,7 @@ def serve(
         kv_cache_memory=kv_cache_memory or "1GiB",
         num_blocks=num_blocks,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, eager=eager,
-        model_impl=model_impl, recipe=recipe_choice,
+        model_impl=model_impl, recipe=recipe_choice, deterministic=deterministic,
         enable_prefix_caching=not no_prefix_caching, swap_space=swap_space, preemption_mode=preemption_mode,
         seed=seed, max_request_body=max_request_body, drain_timeout=drain_timeout, warmup=warmup,
         log_level=log_level,

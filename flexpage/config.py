@@ -74,6 +74,10 @@ class EngineConfig:
     # for every layer, a {layer kind: recipe} mapping, or one per layer; None: the model's
     # (see flexpage.model.layer_recipes.RecipeChoice)
     recipe: Any = None
+    # greedy tokens and logprobs the same bits whatever else is in the batch, however the
+    # prompt is chunked, with or without a prefix-cache hit (vLLM's VLLM_BATCH_INVARIANT);
+    # costs throughput: see ModelRunner and docs/deterministic.md
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "attention_block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -94,6 +98,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory: got {self.kv_cache_memory!r}, expected a positive size")
         if parse_size(self.swap_space) < 0:
             raise ValueError(f"swap_space: got {self.swap_space!r}, expected a size >= 0")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic: got {self.deterministic!r}, expected True or False")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl: got {self.model_impl!r}, expected one of {MODEL_IMPLS}")
         if self.preemption_mode not in ("recompute", "swap"):

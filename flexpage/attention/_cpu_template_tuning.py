@@ -48,10 +48,13 @@ from types import SimpleNamespace
 import torch
 
 TUNED_OPTION = "FLEXPAGE_TUNED_CPU_TEMPLATE"
-TUNING_VERSION = 13  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
+#: kernel option: every query row computed by the same arithmetic whatever the call's shape (see
+#: :data:`_DETERMINISTIC_EDITS`); only with :data:`TUNED_OPTION`
+DETERMINISTIC_OPTION = "FLEXPAGE_DETERMINISTIC_CPU_TEMPLATE"
+TUNING_VERSION = 14  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
 # 6: no K/V packing buffers unless packing; 7: only the visited key blocks are packed;
 # 12: float32 prefill micro-gemms block up to 16 rows (8-11: experiments);
-# 13: AVX2 kernels never pack and keep stock micro-gemms
+# 13: AVX2 kernels never pack and keep stock micro-gemms; 14: deterministic kernels
 _MAX_BLOCK_M = 16  # float32 prefill: 8 rows 10-15% slower, 32 no faster
 _MIN_FP32_BLOCKED_ROWS = 16  # decode blocks (1-8 packed query heads) keep one-row blocking in float32
 _STOCK_PV_BRANCH = "          if (!std::is_same_v<scalar_t, at::Half>) {\n            at::native::cpublas::brgemm("
@@ -231,9 +234,30 @@ _LEAN_EDITS = (
 )
 
 
+# Deterministic kernels (``DETERMINISTIC_OPTION``, the engine's ``deterministic`` mode): a query
+# row's output must not depend on what else the call holds. The stock template decides at run
+# time, from the call's query and key lengths, whether q@k^T runs on the AMX brgemm over packed
+# keys or on the vector micro-gemm (the two sum in different orders: a row of a 1,024-token
+# prefill differed from the same row decoded alone by 4.9e-4 in bf16), and float32 P@V runs
+# through ``cpublas::brgemm``, whose kernel depends on the row count (1.3e-7 between the same
+# row in a decode and a prefill call). Here both products always run on the micro-gemm, whose
+# sum over the head or key dimension runs in one order for every row; key blocks are fixed in
+# the row's logical positions by the gathered layout (see flexpage.attention.paging). Partial
+# key blocks are not trimmed to the query block's last visible column either: the vectorised
+# row sums add a block's last columns in another order when its length changes.
+_DETERMINISTIC_EDITS = (
+    ("""  // Pad is needed for packing when K is not even""",
+     """  need_pack = false;  // flexpage: deterministic, the micro-gemm for every call shape
+  // Pad is needed for packing when K is not even"""),
+    ("""          cur_kvSplitSize = visible;""",
+     """          (void)visible;  // flexpage: deterministic, whole key blocks"""),
+)
+
+
 class _Lowering(NamedTuple):
     tuned: bool  # the kernel asked for the tuned template
     identity_score: bool  # its score mod returns the score unchanged
+    deterministic: bool = False  # it asked for DETERMINISTIC_OPTION
 
 
 # set while flex_attention is lowered, read when the lowering constructs its template
@@ -259,6 +283,9 @@ def apply() -> bool:
     for old, new in _LEAN_EDITS:
         lean_template = lean_template.replace(old, new)
     reduced_template = lean_template.replace(_STOCK_PV_BRANCH, _TUNED_PV_BRANCH)
+    deterministic_template = reduced_template
+    for old, new in _DETERMINISTIC_EDITS:
+        deterministic_template = deterministic_template.replace(old, new)
 
     hop = torch.ops.higher_order.flex_attention
     stock_lowering = lowering.lowerings[hop]
@@ -267,7 +294,8 @@ def apply() -> bool:
         kernel_options = args[6] if len(args) > 6 else kwargs.get("kernel_options", {})
         score_mod = args[3] if len(args) > 3 else kwargs.get("subgraph")
         tuned = bool(kernel_options.get(TUNED_OPTION, False))
-        token = _lowering.set(_Lowering(tuned, tuned and _is_identity(score_mod)))
+        token = _lowering.set(_Lowering(tuned, tuned and _is_identity(score_mod),
+                                        tuned and bool(kernel_options.get(DETERMINISTIC_OPTION, False))))
         try:
             return stock_lowering(*args, **kwargs)
         finally:
@@ -280,6 +308,7 @@ def apply() -> bool:
         lowering_state = _lowering.get()  # templates are rendered after lowering returns
         self.flexpage_tuned = lowering_state.tuned
         self.flexpage_identity_score = lowering_state.identity_score
+        self.flexpage_deterministic = lowering_state.deterministic
 
     stock_choose = template_cls.choose_flex_template
 
@@ -287,6 +316,10 @@ def apply() -> bool:
         # the stock chooser reads ``node.data.data.layout.size``, a chain only an input buffer has:
         # a query computed inside a larger compiled graph is a view of another buffer
         chosen = stock_choose(self, _sized(query), _sized(key), num_threads)
+        if getattr(self, "flexpage_deterministic", False):
+            # never the decoding template: it splits a row's keys between threads, and its
+            # merge order follows the thread count and the call's shape
+            return deterministic_template
         if not getattr(self, "flexpage_tuned", False) or chosen is not stock_template:
             return chosen
         return reduced_template if _is_reduced(self) and _compiles_avx512() else lean_template
@@ -294,7 +327,9 @@ def apply() -> bool:
     stock_micro_gemm_define = template_cls.micro_gemm_define
 
     def micro_gemm_define(self, kernel_name: str) -> str:
-        if not (getattr(self, "flexpage_tuned", False) and _rows_blocked(self)):
+        # deterministic kernels keep one-row blocks: a row-blocked micro-gemm handles a decode
+        # row (one query) with another code path than a full block of prefill rows
+        if not (getattr(self, "flexpage_tuned", False) and _rows_blocked(self)) or self.flexpage_deterministic:
             return stock_micro_gemm_define(self, kernel_name)
         stock_gemm = cpp_micro_gemm.CppMicroGemmFP32Vec
         block_m = max(1, min(int(self.q_block_size), _MAX_BLOCK_M))

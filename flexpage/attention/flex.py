@@ -191,12 +191,15 @@ def isa_kernel_options(device: torch.device) -> dict:
     return {VEC_ISA_OPTION: _cpu_vec_isa()} if device.type == "cpu" else {}
 
 
-def kernel_options_for(device: torch.device, kernel_options: dict | None) -> dict:
+def kernel_options_for(device: torch.device, kernel_options: dict | None, *, deterministic: bool = False) -> dict:
     """The kernel options of flexpage's paged kernels: the caller's, the ISA, and on the CPU
-    the tuned template (see :mod:`flexpage.attention._cpu_template_tuning`)."""
+    the tuned template (see :mod:`flexpage.attention._cpu_template_tuning`), in its
+    deterministic form if asked."""
     options = {**(kernel_options or {}), **isa_kernel_options(device)}
     if device.type == "cpu" and torch_patches.tuning_active():  # stock kernels keep a key of their own
         options.setdefault(_cpu_template_tuning.TUNED_OPTION, _cpu_template_tuning.TUNING_VERSION)
+        if deterministic:
+            options[_cpu_template_tuning.DETERMINISTIC_OPTION] = True
     return options
 
 
@@ -252,13 +255,20 @@ def _mark_dynamic_rows(q: Tensor, group: AttentionGroup) -> None:
 
 
 class FlexRunner:
-    """Runs paged attention for one model: holds the recipe and the compile switch."""
+    """Runs paged attention for one model: holds the recipe and the compile switch.
+
+    ``deterministic``: a query row's output is the same bits in any batch (the batches must be
+    planned with ``build_paged_batch(..., gather_decode=True)``, so every row reads its keys in
+    the same logical blocks); the CPU kernels then skip their shape-dependent fast paths (see
+    :mod:`flexpage.attention._cpu_template_tuning`).
+    """
 
     def __init__(self, recipe: Recipe, *, compile: bool = True, scale: float | None = None,
-                 kernel_options: dict | None = None) -> None:
+                 kernel_options: dict | None = None, deterministic: bool = False) -> None:
         self.recipe = recipe
         self.compile = compile
         self.scale = scale
+        self.deterministic = deterministic
         if compile:
             torch_patches.install()
         self.kernel_options = kernel_options
@@ -266,7 +276,7 @@ class FlexRunner:
 
     def _kernel_options(self, device: torch.device) -> dict:
         if device not in self._options:
-            self._options[device] = kernel_options_for(device, self.kernel_options)
+            self._options[device] = kernel_options_for(device, self.kernel_options, deterministic=self.deterministic)
         return self._options[device]
 
     def __call__(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, batch: PagedBatch) -> Tensor:

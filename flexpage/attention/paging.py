@@ -121,6 +121,7 @@ def build_paged_batch(
     pages_per_block: int = 1,
     bucket: bool = True,
     num_threads: int | None = None,
+    deterministic: bool = False,
 ) -> PagedBatch:
     """Plan one step of paged attention.
 
@@ -141,6 +142,13 @@ def build_paged_batch(
     torch's) is how many threads the kernel splits a group's rows between; rows are ordered
     so that each thread's share holds about the same number of tokens (see
     :func:`thread_balanced_order`).
+
+    ``deterministic`` plans every row so that its output does not depend on the rest of the
+    batch (the engine's deterministic mode; run with ``FlexRunner(deterministic=True)``): decode
+    rows read gathered keys with the prefill rows' query block, and each row visits its key
+    blocks in logical order, all as partial blocks. The kernel visits partial blocks before
+    full ones, and its online softmax rounds differently when the order changes: a decode row
+    sees its last block whole, the same token inside a prefill query block sees it partly.
     """
     check_arg(isinstance(pages_per_block, int) and pages_per_block >= 1, "pages_per_block", pages_per_block,
               "a positive int")
@@ -164,7 +172,8 @@ def build_paged_batch(
     is_decode = query_lens_n == 1
     threads = torch.get_num_threads() if num_threads is None else num_threads
     groups = []
-    for mask, q_block in ((is_decode, DECODE_Q_BLOCK), (~is_decode, PREFILL_Q_BLOCK)):  # decode: in place; prefill: gathered
+    decode_q_block = PREFILL_Q_BLOCK if deterministic else DECODE_Q_BLOCK
+    for mask, q_block in ((is_decode, decode_q_block), (~is_decode, PREFILL_Q_BLOCK)):  # decode: in place; prefill: gathered
         rows = np.flatnonzero(mask)
         if rows.size == 0:
             continue
@@ -176,7 +185,7 @@ def build_paged_batch(
                 rows, tables, seq_lens_n, query_lens_n, starts, page_to_logical,
                 num_rows=num_rows, num_tokens=num_tokens, num_pages=num_pages, page_size=page_size,
                 q_block=q_block, pages_per_block=pages_per_block, recipe=recipe, bucket=bucket,
-                gather=q_block > DECODE_Q_BLOCK,
+                gather=q_block > DECODE_Q_BLOCK, all_partial=deterministic,
             )
         )
     return PagedBatch(num_tokens, page_size, num_pages, pages_per_block, tuple(groups), one_owner,
@@ -260,13 +269,15 @@ def _build_group(
     recipe: Recipe,
     bucket: bool,
     gather: bool,
+    all_partial: bool = False,
 ) -> AttentionGroup:
     n = rows.size
     max_q = int(query_lens[rows].max())
     q_len = next_power_of_two(max_q) if bucket else max_q
     # a fixed query block per group (short chunks are padded up to it): a changing block
-    # size would be one more compiled kernel each time
-    q_len = -(-q_len // q_block) * q_block
+    # size would be one more compiled kernel each time; decode rows (one query) stay one long
+    if max_q > 1:
+        q_len = -(-q_len // q_block) * q_block
     pad = num_rows - n
     width = tables.shape[1]
 
@@ -284,7 +295,7 @@ def _build_group(
                            num_tokens)
 
     # query blocks [B, M, 1] against key ranges [1, 1, J]
-    m = np.arange(q_len // q_block)
+    m = np.arange(-(-q_len // q_block))
     q_lo = (q_start[:, None] + m[None, :] * q_block)[:, :, None]
     q_rows = np.minimum(q_count[:, None] - m[None, :] * q_block, q_block)[:, :, None]
     q_hi = q_lo + q_rows - 1
@@ -303,7 +314,7 @@ def _build_group(
         row_blocks = -(-seq_len // kv_block)
         kv_lo = (np.arange(max(1, int(row_blocks.max()))) * kv_block)[None, None, :]
         may, every = verdicts(kv_lo, kv_lo + kv_block - 1)
-        partial, full = may & ~every, every
+        partial, full = (may, np.zeros_like(may)) if all_partial else (may & ~every, every)
         first_block = np.cumsum(row_blocks) - row_blocks
         block_ids = first_block[:, None] + np.arange(kv_lo.shape[-1])[None, :]  # past a row's blocks: never listed
         num_blocks = max(2, int(row_blocks.sum()))  # >= 2: Dynamo specialises a size of 1

@@ -68,7 +68,9 @@ class _Layer:
 class CompactDecoder:
     """The decoder stack and LM head of a Llama-family HF model, over a flat token batch."""
 
-    def __init__(self, model: torch.nn.Module, *, prepack: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, *, prepack: bool = True, row_tile: int | None = None) -> None:
+        """``row_tile``: every projection computes this many rows per call (deterministic mode,
+        see :func:`~flexpage.model.packed_linear.tiled_rows`); None: one call per projection."""
         if not supports(model):
             raise ValueError(f"model: a {type(model).__name__} (model_type={model.config.model_type!r}) is not a "
                              f"Llama-family decoder ({', '.join(sorted(_LLAMA_FAMILY))} with SiLU MLPs)")
@@ -83,20 +85,24 @@ class CompactDecoder:
         self.final_norm = base.norm.weight
         head = model.get_output_embeddings()
         tied = head.weight is self.embed
-        self.lm_head = PackedLinear(head.weight, head.bias, prepack=prepack)
+        self.lm_head = PackedLinear(head.weight, head.bias, prepack=prepack, row_tile=row_tile)
         if self.lm_head.packed and not tied:  # a tied head's weight is the embedding, still needed
             _release(head)
         self.rotary = base.rotary_emb
-        self.layers = [self._take(layer, prepack) for layer in base.layers]
+        self.layers = [self._take(layer, prepack, row_tile) for layer in base.layers]
         _return_freed_memory()
 
     @staticmethod
-    def _take(layer: torch.nn.Module, prepack: bool) -> _Layer:
+    def _take(layer: torch.nn.Module, prepack: bool, row_tile: int | None) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+
+        def fused(*linears: torch.nn.Linear) -> PackedLinear:
+            return _fused(prepack, row_tile, *linears)
+
         return _Layer(
-            qkv=_fused(prepack, attn.q_proj, attn.k_proj, attn.v_proj), o=_fused(prepack, attn.o_proj),
-            gate_up=_fused(prepack, mlp.gate_proj, mlp.up_proj), down=_fused(prepack, mlp.down_proj),
+            qkv=fused(attn.q_proj, attn.k_proj, attn.v_proj), o=fused(attn.o_proj),
+            gate_up=fused(mlp.gate_proj, mlp.up_proj), down=fused(mlp.down_proj),
             input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
             q_norm=None if q_norm is None else q_norm.weight, k_norm=None if k_norm is None else k_norm.weight,
         )
@@ -141,7 +147,7 @@ class CompactDecoder:
         return weight * normed.to(x.dtype)
 
 
-def _fused(prepack: bool, *linears: torch.nn.Linear) -> PackedLinear:
+def _fused(prepack: bool, row_tile: int | None, *linears: torch.nn.Linear) -> PackedLinear:
     """One projection for several HF projections of the same input (outputs stacked by rows).
 
     The HF modules give their weights up: packed, their parameters are released (replaced
@@ -150,7 +156,7 @@ def _fused(prepack: bool, *linears: torch.nn.Linear) -> PackedLinear:
     used as it is).
     """
     if len(linears) == 1:
-        fused = PackedLinear(linears[0].weight, linears[0].bias, prepack=prepack)
+        fused = PackedLinear(linears[0].weight, linears[0].bias, prepack=prepack, row_tile=row_tile)
         if fused.packed:
             _release(linears[0])
         return fused
@@ -158,7 +164,7 @@ def _fused(prepack: bool, *linears: torch.nn.Linear) -> PackedLinear:
     biases = [linear.bias for linear in linears]
     bias = None if all(b is None for b in biases) else torch.cat(
         [b if b is not None else weight.new_zeros(linear.out_features) for b, linear in zip(biases, linears)])
-    fused = PackedLinear(weight, bias, prepack=prepack)
+    fused = PackedLinear(weight, bias, prepack=prepack, row_tile=row_tile)
     start = 0
     for linear in linears:
         rows = slice(start, start + linear.out_features)

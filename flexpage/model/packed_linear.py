@@ -25,11 +25,13 @@ and :meth:`PackedLinear.prime` builds every bucket's kernel up front.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["PackedLinear", "can_prepack", "padded_rows"]
+__all__ = ["PackedLinear", "can_prepack", "padded_rows", "tiled_rows"]
 
 #: the row count oneDNN tunes the packed layout for (a decode batch); any count works
 _BATCH_HINT = 64
@@ -55,28 +57,61 @@ def can_prepack(weight: Tensor) -> bool:
     )
 
 
-class PackedLinear:
-    """``y = x @ weight.T + bias``, with the weight pre-packed where :func:`can_prepack` says so."""
+def tiled_rows(matmul: Callable[[Tensor], Tensor], x: Tensor, row_tile: int) -> Tensor:
+    """``matmul(x)`` computed ``row_tile`` rows at a time (the last tile zero-padded), so that
+    every row goes through the same kernel whatever the row count.
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None, *, prepack: bool = True) -> None:
+    Why: oneDNN and MKL pick their kernel and its blocking of the summed dimension by the row
+    count, so one row's result depends on how many rows share the call (in bf16 on the AMX
+    test machine, most row counts from 48 to 1,024 gave other bits than 16-row calls).
+    Calls of one shape run one kernel, and rows in it are summed alike: deterministic mode
+    (``EngineConfig.deterministic``) uses this for every projection.
+    """
+    rows = x.shape[0]
+    padded = -(-max(rows, 1) // row_tile) * row_tile
+    x = F.pad(x, (0, 0, 0, padded - rows)) if padded != rows else x.contiguous()
+    out = torch.cat([matmul(x[start:start + row_tile]) for start in range(0, padded, row_tile)])
+    return out[:rows] if padded != rows else out
+
+
+class PackedLinear:
+    """``y = x @ weight.T + bias``, with the weight pre-packed where :func:`can_prepack` says so.
+
+    ``row_tile``: compute in calls of exactly this many rows (:func:`tiled_rows`): every row's
+    result is then the same bits in any batch.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, *, prepack: bool = True,
+                 row_tile: int | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.packed = prepack and can_prepack(weight)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT) if self.packed else weight
+        self.row_tile = row_tile
 
     def __call__(self, x: Tensor) -> Tensor:
         """``x``: ``[rows, in_features]`` -> ``[rows, out_features]``."""
+        if self.row_tile is not None:
+            return tiled_rows(self._matmul, x, self.row_tile)
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]
         padded = padded_rows(rows)
         x = F.pad(x, (0, 0, 0, padded - rows)) if padded != rows else x.contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        out = self._matmul(x)
         return out[:rows] if padded != rows else out
+
+    def _matmul(self, x: Tensor) -> Tensor:
+        if not self.packed:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def prime(self, max_rows: int) -> None:
         """Build the kernel of every row bucket up to ``max_rows`` now, not on a request's path."""
         if not self.packed:
+            return
+        if self.row_tile is not None:  # one shape
+            self(torch.zeros(self.row_tile, self.in_features, dtype=self.weight.dtype))
             return
         x = torch.zeros(padded_rows(max_rows), self.in_features, dtype=self.weight.dtype)
         for rows in sorted({padded_rows(r) for r in range(1, max_rows + 1)}):

@@ -39,6 +39,7 @@ from itertools import chain
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from flexpage.attention.flex import FlexRunner, raised_compile_limits
@@ -49,8 +50,12 @@ from flexpage.config import MODEL_IMPLS
 from flexpage.core.layer_groups import LayerGroup, plan_layer_groups
 from flexpage.model.compact import CompactDecoder, supports
 from flexpage.model.layer_recipes import model_recipes, recipe_for
+from flexpage.model.packed_linear import tiled_rows
 
 IMPLEMENTATION_NAME = "flexpage_paged"
+#: rows per projection call in deterministic mode (see ModelRunner): every call the same
+#: shape, so every row is summed by the same kernel
+DETERMINISTIC_ROW_TILE = 64
 
 
 @dataclass
@@ -76,6 +81,8 @@ class PagedStep:
     query_lens: Tensor
     compile: bool
     pages_per_block: int = 1
+    #: plan and run attention so that a row's output does not depend on the batch (see ModelRunner)
+    deterministic: bool = False
     #: every layer's recipe; ``recipes_from_model``: the model's own (HF's attention kwargs must
     #: ask for exactly these), not a user's replacement
     recipes: tuple[Recipe, ...] = ()
@@ -95,7 +102,7 @@ class PagedStep:
             self.batches[key] = build_paged_batch(
                 self.group_tables[group] if group else self.block_tables, self.seq_lens, self.query_lens,
                 page_size=self.pool.block_size, num_pages=self.pool.num_blocks, recipe=recipe,
-                pages_per_block=self.pages_per_block,
+                pages_per_block=self.pages_per_block, deterministic=self.deterministic,
             )
         return self.batches[key]
 
@@ -144,7 +151,8 @@ def _attend(step: PagedStep, layer: int, recipe: Recipe, scale: float | None, q:
     step.pool.write(slot, batch.slots, k, v)
     runner_key = (recipe, scale)
     if runner_key not in step.runners:
-        step.runners[runner_key] = FlexRunner(recipe, compile=step.compile, scale=scale)
+        step.runners[runner_key] = FlexRunner(recipe, compile=step.compile, scale=scale,
+                                              deterministic=step.deterministic)
     return step.runners[runner_key](q, k_pool, v_pool, batch)
 
 
@@ -166,9 +174,17 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int, compile: bool = True,
                  num_host_blocks: int = 0, blocks_per_attention_block: int = 1, model_impl: str = "auto",
-                 recipes: Sequence[Recipe] | None = None) -> None:
+                 recipes: Sequence[Recipe] | None = None, deterministic: bool = False) -> None:
         """``recipes``: one per decoder layer (:func:`~flexpage.model.layer_recipes.engine_recipes`);
-        None: the model's own (:func:`~flexpage.model.layer_recipes.model_recipes`)."""
+        None: the model's own (:func:`~flexpage.model.layer_recipes.model_recipes`).
+
+        ``deterministic``: every token's logits are the same bits whatever else shares its steps,
+        however its prompt was chunked and whether its prefix came from the cache. Projections
+        run in calls of :data:`DETERMINISTIC_ROW_TILE` rows
+        (:func:`~flexpage.model.packed_linear.tiled_rows`) and attention plans and kernels keep
+        one summation order per row (``build_paged_batch(deterministic=True)``); norms,
+        activations and the LM head's softmax already work row by row.
+        """
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl: got {model_impl!r}, expected one of {MODEL_IMPLS}")
         if model_impl == "flexpage" and not supports(model):
@@ -190,7 +206,12 @@ class ModelRunner:
         if config.model_type == "bloom":
             _route_bloom_attention(model, self)
         self.dtype = next(model.parameters()).dtype
-        self.compact = CompactDecoder(model) if model_impl != "transformers" and supports(model) else None
+        self.deterministic = deterministic
+        row_tile = DETERMINISTIC_ROW_TILE if deterministic else None
+        self.compact = (CompactDecoder(model, row_tile=row_tile) if model_impl != "transformers" and supports(model)
+                        else None)
+        if self.compact is None and row_tile is not None:
+            _tile_linear_rows(model, row_tile)
         self.blocks_per_attention_block = blocks_per_attention_block
         self.layer_groups = layer_groups_for(self.layer_recipes)
         self._layer_group = [0] * text_config.num_hidden_layers
@@ -235,6 +256,7 @@ class ModelRunner:
             query_lens=torch.tensor(inputs.query_lens),
             compile=self.compile,
             pages_per_block=self.blocks_per_attention_block,
+            deterministic=self.deterministic,
             runners=self._runners,
         )
         positions = torch.from_numpy(token_positions(np.asarray(inputs.seq_lens, dtype=np.int64),
@@ -277,6 +299,22 @@ def layer_groups_for(recipes: Sequence[Recipe]) -> tuple[LayerGroup, ...]:
     """The layer groups (one block table each) of layers running ``recipes``, by their declared
     window; see :mod:`flexpage.core.layer_groups`."""
     return plan_layer_groups([recipe.window for recipe in recipes])
+
+
+def _tile_linear_rows(model: torch.nn.Module, row_tile: int) -> None:
+    """Make every ``nn.Linear`` of an HF model compute ``row_tile`` rows per call (deterministic
+    mode on HF's modules); the flat batch arrives as ``[1, tokens, features]``."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+
+            def forward(x: Tensor, _module: torch.nn.Linear = module) -> Tensor:
+                def matmul(rows: Tensor) -> Tensor:
+                    return F.linear(rows, _module.weight, _module.bias)
+
+                out = tiled_rows(matmul, x.reshape(-1, x.shape[-1]), row_tile)
+                return out.view(*x.shape[:-1], _module.out_features)
+
+            module.forward = forward
 
 
 def _padded_tables(block_tables: list[list[int]], width: int) -> Tensor:

@@ -43,6 +43,7 @@ class ServeSettings:
     eager: bool = False
     model_impl: str = "auto"
     recipe: RecipeChoice = None  # see flexpage.model.layer_recipes; None: the model's own
+    deterministic: bool = False  # EngineConfig.deterministic
     enable_prefix_caching: bool = True
     swap_space: str = "0"
     preemption_mode: str = "recompute"
@@ -78,7 +79,7 @@ def run_server(settings: ServeSettings) -> int:
         max_model_len=settings.max_model_len, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, enable_prefix_caching=settings.enable_prefix_caching,
         preemption_mode=settings.preemption_mode, compile=not settings.eager, model_impl=settings.model_impl,
-        seed=settings.seed, recipe=settings.recipe,
+        seed=settings.seed, recipe=settings.recipe, deterministic=settings.deterministic,
     )
     timings = {"load": 0.0, "warm-up": 0.0}
 

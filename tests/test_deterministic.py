@@ -1,0 +1,150 @@
+"""Deterministic mode (``LLM(deterministic=True)``, ``--deterministic``).
+
+A request's greedy tokens and their logprobs are the same bits whether it runs alone or in a
+batch of 32 others, whatever the chunked-prefill budget, and whether its prefix was computed
+now or came from the prefix cache -- including cached blocks of tokens an earlier request
+generated. Without the mode the logprobs differ in each of these situations (bf16 SmolLM2 on
+the AMX test machine; see docs/deterministic.md).
+
+These tests run with torch's default thread count: how the kernels split work between threads
+is one of the things the mode must not depend on.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from flexpage import SamplingParams
+from flexpage.attention.flex import FlexRunner
+from flexpage.attention.paging import build_paged_batch
+from flexpage.attention.recipe import CAUSAL
+from flexpage.model.packed_linear import PackedLinear
+
+pytestmark = pytest.mark.usefixtures("kv_blocks_returned")
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=5, ignore_eos=True)
+#: (tiny model, dtype, model_impl): the compact forward in bf16, HF's modules in float32
+CASES = [("llama", "bfloat16", "flexpage"), ("llama", "float32", "transformers")]
+
+
+def _prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(3, 49152) for _ in range(length)]
+
+
+RNG = random.Random(0)
+PROMPT = _prompt(RNG, 200)  # longer than one attention key block (128 tokens in bf16)
+OTHERS = [_prompt(RNG, RNG.randrange(5, 260)) for _ in range(32)]
+
+
+def _bits(output) -> tuple[list[int], list[dict[int, float]]]:
+    sample = output.outputs[0]
+    return sample.token_ids, [{token: lp.logprob for token, lp in step.items()} for step in sample.logprobs]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=["-".join(case) for case in CASES])
+def engines(request, tiny_model, llm_factory):
+    """Two deterministic engines on one model: the default prefill budget and 32-token chunks."""
+    kind, dtype, model_impl = request.param
+    config = dict(dtype=dtype, compile=True, num_blocks=1024, deterministic=True, model_impl=model_impl)
+    return (llm_factory(tiny_model(kind), **config),
+            llm_factory(tiny_model(kind), max_num_batched_tokens=32, **config))
+
+
+@pytest.fixture(scope="module")
+def alone(engines):
+    """The reference: the prompt alone on an engine that has never seen it."""
+    full_budget, _ = engines
+    return _bits(full_budget.generate([PROMPT + [7]], GREEDY)[0]), PROMPT + [7]
+
+
+def test_a_request_in_a_batch_of_32_gets_the_bits_it_gets_alone(engines, alone):
+    reference, prompt = alone
+    outputs = engines[0].generate(OTHERS[:16] + [prompt] + OTHERS[16:], GREEDY)
+    assert _bits(outputs[16]) == reference
+
+
+def test_the_chunked_prefill_budget_does_not_change_the_bits(engines, alone):
+    reference, prompt = alone
+    output = engines[1].generate([prompt], GREEDY)[0]
+    assert output.num_cached_tokens == 0  # computed in 32-token chunks, not taken from a cache
+    assert _bits(output) == reference
+
+
+def test_a_prefix_cache_hit_does_not_change_the_bits(engines, alone):
+    reference, prompt = alone
+    engines[0].generate([prompt[:150] + [11] * 20], GREEDY)  # leaves prompt[:144] in the cache
+    output = engines[0].generate([prompt], GREEDY)[0]
+    assert output.num_cached_tokens >= 144
+    assert _bits(output) == reference
+
+
+def test_cached_generated_tokens_give_the_bits_of_a_fresh_prefill(engines):
+    full_budget, chunked = engines
+    start = PROMPT[:90]
+    generated = full_budget.generate([start], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    follow_up = start + generated[0].outputs[0].token_ids + [13]
+    hit = full_budget.generate([follow_up], GREEDY)[0]
+    assert hit.num_cached_tokens > len(start)  # blocks the decode steps wrote came from the cache
+    fresh = chunked.generate([follow_up], GREEDY)[0]
+    assert fresh.num_cached_tokens <= len(start)
+    assert _bits(hit) == _bits(fresh)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_projection_gives_each_row_the_same_bits_in_any_batch(dtype):
+    torch.manual_seed(0)
+    weight = (torch.randn(96, 64) * 0.1).to(dtype)
+    linear = PackedLinear(weight, row_tile=16)
+    x = torch.randn(70, 64).to(dtype)
+    order = torch.randperm(70)
+    together = linear(x)
+    assert torch.equal(linear(x[order]), together[order])
+    assert torch.equal(linear(x[5:6]), together[5:6])
+    torch.testing.assert_close(together, torch.nn.functional.linear(x, weight))
+
+
+def test_a_deterministic_plan_reads_every_row_gathered_in_logical_block_order():
+    tables = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]])
+    batch = build_paged_batch(tables, torch.tensor([60, 33]), torch.tensor([1, 20]), page_size=8, num_pages=32,
+                              recipe=CAUSAL, deterministic=True)
+    for group in batch.groups:
+        assert group.kv_slots is not None  # decode rows too
+        assert int(group.full_kv_num_blocks.sum()) == 0  # every visited block in the partial list...
+        counts, indices = group.kv_num_blocks, group.kv_indices
+        for row in range(counts.shape[0]):
+            for block in range(counts.shape[2]):
+                listed = indices[row, 0, block, : counts[row, 0, block]]
+                assert torch.equal(listed, listed.sort().values)  # ...in logical order
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_tokens_attention_is_the_same_bits_decoded_prefilled_or_batched(dtype):
+    """The kernel-level promise behind the engine tests: one token's output, as a decode row
+    alone or among others, or as the last row of prefill chunks of any length."""
+    torch.manual_seed(0)
+    page, pages, heads, kv_heads, dim = 8, 128, 4, 2, 16  # the tiny Llama's heads
+    k_pool = torch.randn(1, kv_heads, pages * page, dim).to(dtype)
+    v_pool = torch.randn_like(k_pool)
+    runner = FlexRunner(CAUSAL, deterministic=True)
+    length = 300
+    table = list(range(2, 2 + -(-length // page)))
+    other = list(range(60, 100))
+    query = torch.randn(heads, dim).to(dtype)
+
+    def output(tables: list[list[int]], seq_lens: list[int], query_lens: list[int], row: int) -> torch.Tensor:
+        width = max(map(len, tables))
+        batch = build_paged_batch(torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                                  torch.tensor(seq_lens), torch.tensor(query_lens), page_size=page, num_pages=pages,
+                                  recipe=CAUSAL, deterministic=True)
+        q = torch.randn(sum(query_lens), heads, dim).to(dtype)
+        q[row] = query
+        return runner(q, k_pool, v_pool, batch)[row]
+
+    reference = output([table], [length], [1], 0)
+    assert torch.equal(output([other, table, other[:9]], [300, length, 70], [1, 1, 1], 1), reference)
+    assert torch.equal(output([other, table], [300, length], [40, 1], 40), reference)
+    assert torch.equal(output([table], [length], [37], 36), reference)
+    assert torch.equal(output([other, table], [300, length], [1, 200], 200), reference)
