@@ -43,6 +43,8 @@ NUM_PROMPTS, OUTPUT_TOKENS, WARMUP_SEED, VOCAB_RANGE = 48, 64, 1234, (100, 49000
 DEFAULT_OUT = Path("bench/results/anchors.json")
 DEFAULT_PLOT = Path("docs/img/anchors.png")
 DEFAULT_OV_MODEL = Path.home() / ".cache" / "flexpage" / "openvino" / "SmolLM2-135M-Instruct-fp16"
+#: what a worker process can run (bench/deterministic.py runs the last one)
+WORKERS = ("flexpage", "openvino", "flexpage-deterministic")
 METRICS = ("tok_s", "ttft16_ms", "prefill128_ms", "decode_ms", "ready_s", "peak_rss_mb")
 
 
@@ -57,11 +59,11 @@ def fresh_prompt(rng: np.random.Generator, length: int) -> list[int]:
 
 
 class FlexpageEngine:
-    def __init__(self) -> None:
+    def __init__(self, deterministic: bool = False) -> None:
         from flexpage import LLM, SamplingParams
 
         self.params = SamplingParams
-        self.llm = LLM()
+        self.llm = LLM(deterministic=deterministic)
         self.llm.engine.warm_up()
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> int:
@@ -96,7 +98,8 @@ def timed(fn, *args) -> float:  # noqa: ANN001
 
 
 def run_worker(engine_name: str, seed: int, ov_model: str) -> dict:
-    engine = FlexpageEngine() if engine_name == "flexpage" else OpenVINOEngine(ov_model)
+    engine = (OpenVINOEngine(ov_model) if engine_name == "openvino"
+              else FlexpageEngine(deterministic=engine_name == "flexpage-deterministic"))
     engine.generate(workload(WARMUP_SEED), OUTPUT_TOKENS)
     ready_s = time.perf_counter() - _STARTED
     start = time.perf_counter()
@@ -177,7 +180,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="ratio plot (written when OpenVINO ran)")
     p.add_argument("--plot-only", action="store_true", help="redraw --plot from --out without running")
-    p.add_argument("--worker", choices=("flexpage", "openvino"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:

@@ -51,10 +51,10 @@ TUNED_OPTION = "FLEXPAGE_TUNED_CPU_TEMPLATE"
 #: kernel option: every query row computed by the same arithmetic whatever the call's shape (see
 #: :data:`_DETERMINISTIC_EDITS`); only with :data:`TUNED_OPTION`
 DETERMINISTIC_OPTION = "FLEXPAGE_DETERMINISTIC_CPU_TEMPLATE"
-TUNING_VERSION = 14  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
+TUNING_VERSION = 15  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
 # 6: no K/V packing buffers unless packing; 7: only the visited key blocks are packed;
 # 12: float32 prefill micro-gemms block up to 16 rows (8-11: experiments);
-# 13: AVX2 kernels never pack and keep stock micro-gemms; 14: deterministic kernels
+# 13: AVX2 kernels never pack and keep stock micro-gemms; 14-15: deterministic kernels
 _MAX_BLOCK_M = 16  # float32 prefill: 8 rows 10-15% slower, 32 no faster
 _MIN_FP32_BLOCKED_ROWS = 16  # decode blocks (1-8 packed query heads) keep one-row blocking in float32
 _STOCK_PV_BRANCH = "          if (!std::is_same_v<scalar_t, at::Half>) {\n            at::native::cpublas::brgemm("
@@ -236,21 +236,22 @@ _LEAN_EDITS = (
 
 # Deterministic kernels (``DETERMINISTIC_OPTION``, the engine's ``deterministic`` mode): a query
 # row's output must not depend on what else the call holds. The stock template decides at run
-# time, from the call's query and key lengths, whether q@k^T runs on the AMX brgemm over packed
-# keys or on the vector micro-gemm (the two sum in different orders: a row of a 1,024-token
+# time, from the call's query and key lengths, whether the products run on the AMX brgemm over
+# packed K/V or on the vector micro-gemm (the two sum in different orders: a row of a 1,024-token
 # prefill differed from the same row decoded alone by 4.9e-4 in bf16), and float32 P@V runs
 # through ``cpublas::brgemm``, whose kernel depends on the row count (1.3e-7 between the same
-# row in a decode and a prefill call). Here both products always run on the micro-gemm, whose
-# sum over the head or key dimension runs in one order for every row; key blocks are fixed in
-# the row's logical positions by the gathered layout (see flexpage.attention.paging). Partial
-# key blocks are not trimmed to the query block's last visible column either: the vectorised
-# row sums add a block's last columns in another order when its length changes.
+# row in a decode and a prefill call). Here a CPU that can pack always packs (bf16/fp16 on AMX:
+# both products on the AMX brgemm, as fast as the stock prefill), and every other call runs both
+# on the micro-gemm; either sums the head or key dimension in one order for every row. Key
+# blocks are fixed in the row's logical positions by the gathered layout (see
+# flexpage.attention.paging). Partial key blocks are masked after the gemm, whole, as the stock
+# template does: trimming them to the query block's last visible column changes the order in
+# which the vectorised row sums add a block's last columns.
 _DETERMINISTIC_EDITS = (
-    ("""  // Pad is needed for packing when K is not even""",
-     """  need_pack = false;  // flexpage: deterministic, the micro-gemm for every call shape
-  // Pad is needed for packing when K is not even"""),
-    ("""          cur_kvSplitSize = visible;""",
-     """          (void)visible;  // flexpage: deterministic, whole key blocks"""),
+    ("""    int64_t thresh_size = 64;""", """    int64_t thresh_size = 0;"""),
+    ("""      need_pack = gemm_size_per_thread / pack_size >= 4;""", """      need_pack = true;"""),
+    ("""        if (n_idx < kv_indice_num && !need_pack) {""",
+     """        if (false) {  // flexpage: deterministic, whole key blocks masked after the gemm"""),
 )
 
 
