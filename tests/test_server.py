@@ -16,6 +16,7 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -502,6 +503,39 @@ def test_disconnect_mid_stream_frees_blocks(server: ServerProcess) -> None:
     after2 = server.wait_idle(timeout=60)
     assert after2["flexpage_requests_finished_total{finish_reason=abort}"] == \
         after["flexpage_requests_finished_total{finish_reason=abort}"] + 1
+
+
+def test_a_disconnect_storm_gives_every_block_back(server: ServerProcess) -> None:
+    """40 streams closed after 1-5 chunks and 20 non-streamed requests given up by a client
+    timeout, all at once: each is aborted and the pool is whole again."""
+    before = server.metrics()
+    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 300, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+
+    def leave_stream_after(chunks: int) -> None:
+        with httpx.stream("POST", server.base_url + "/v1/completions", json=body, headers=server.headers,
+                          timeout=300) as response:
+            assert response.status_code == 200
+            seen = 0
+            for line in response.iter_lines():
+                seen += line.startswith("data: ")
+                if seen == chunks:
+                    return  # leaving the block closes the connection
+
+    def give_up_waiting() -> None:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.base_url + "/v1/completions", json={**body, "stream": False}, headers=server.headers,
+                       timeout=httpx.Timeout(60, read=1.0))
+
+    with ThreadPoolExecutor(60) as pool:
+        jobs = [pool.submit(leave_stream_after, 1 + i % 5) for i in range(40)]
+        jobs += [pool.submit(give_up_waiting) for _ in range(20)]
+        for job in jobs:
+            job.result()
+    after = server.wait_idle(timeout=60)
+    aborted = "flexpage_requests_finished_total{finish_reason=abort}"
+    assert after[aborted] == before[aborted] + 60
+    assert after["flexpage_kv_blocks_used"] == 0
 
 
 def test_metrics_after_everything(server: ServerProcess) -> None:
