@@ -8,6 +8,7 @@ returns the requests that progressed; ``abort`` frees a request's blocks at once
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,12 @@ from flexpage.outputs import CompletionOutput, Logprob, RequestOutput
 from flexpage.sampling_params import SamplingParams
 
 PromptInput = Union[str, list[int], dict[str, Any]]
+
+log = logging.getLogger(__name__)
+
+
+class _ForwardFailed(Exception):
+    """The batched forward pass raised (the cause is chained); sampling never started."""
 
 
 #: Prompt lengths whose prefill lands in each query-block bucket of the paged attention
@@ -110,6 +117,7 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self._generator = torch.Generator().manual_seed(config.seed)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0}
+        self._failures: dict[str, str] = {}  # see take_failures
 
     # -- requests ------------------------------------------------------------------
     def prepare_prompt(self, prompt: PromptInput) -> dict[str, Any]:
@@ -249,15 +257,34 @@ class LLMEngine:
     # -- the step --------------------------------------------------------------------
     @torch.inference_mode()  # no autograd state on any tensor made in a step: 1-4% faster steps than no_grad
     def step(self) -> list[RequestOutput]:
-        """One iteration; returns the requests that produced tokens or finished."""
+        """One iteration; returns the requests that produced tokens or finished.
+
+        A request whose own computation fails (an exception in the forward pass, sampling or
+        stop handling) is aborted alone, its blocks freed, and named by :meth:`take_failures`;
+        the rest of the step completes: when the batched forward pass fails, each sequence is
+        run again on its own, so the one that fails alone is found.
+        """
         sched = self.scheduler.schedule()
         touched: dict[str, Request] = {}
         for seq in sched.finished:  # the scheduler gave up on a sequence that outgrew the pool
             self._finish(seq, SequenceStatus.FINISHED_LENGTH, touched, already_retired=True)
         self.runner.apply_block_moves(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy)
         if sched.scheduled:
-            self._run(sched, touched)
+            try:
+                self._run(sched, touched)
+            except _ForwardFailed as failure:
+                if len(sched.scheduled) == 1:
+                    self._fail(sched.scheduled[0].seq.request, failure.__cause__, touched)
+                else:
+                    for item in sched.scheduled:
+                        self._run_alone(sched, item, touched)
         return [r.to_output() for r in touched.values()]
+
+    def take_failures(self) -> dict[str, str]:
+        """Requests :meth:`step` aborted because their own computation failed (id -> message),
+        since the last call; each is reported once."""
+        failures, self._failures = self._failures, {}
+        return failures
 
     def _run(self, sched: SchedulerOutput, touched: dict[str, Request]) -> None:
         inputs = StepInputs([], [], [], [], [])
@@ -277,21 +304,59 @@ class LLMEngine:
             if item.sample:
                 inputs.sample_rows.append(len(inputs.token_ids) - 1)
                 sampled.append(seq)
-        # always run: a step of prefill chunks that samples nothing still computes their K/V
-        logits = self.runner.execute(inputs)
+        try:  # always run: a step of prefill chunks that samples nothing still computes their K/V
+            logits = self.runner.execute(inputs)
+        except Exception as error:
+            raise _ForwardFailed from error
         self.scheduler.mark_computed(sched)
-        if not sampled:
+        if sampled:
+            self._sample(logits, sampled, touched)
+
+    def _run_alone(self, sched: SchedulerOutput, item: Any, touched: dict[str, Request]) -> None:
+        """Run one scheduled sequence of a step whose batched forward pass failed."""
+        if item.seq.status is not SequenceStatus.RUNNING:  # its request failed already (n > 1)
             return
+        try:
+            self._run(SchedulerOutput(scheduled=[item]), touched)
+        except _ForwardFailed as failure:
+            self._fail(item.seq.request, failure.__cause__, touched)
+
+    def _sample(self, logits: torch.Tensor, sampled: list[Sequence], touched: dict[str, Request]) -> None:
         rows, seqs = self._with_forked_samples(sampled)
         if len(rows) != len(sampled):  # n > 1 forked children share their parent's row
             logits = logits[rows]
         params = [s.request.params for s in seqs]
         histories = [TokenHistory(s.prompt_token_ids, s.output_token_ids) for s in seqs]
         generators = [self._generator_of(s) for s in seqs]
-        result = sample(logits, params, histories, generators, self.eos_token_ids[0] if self.eos_token_ids else None,
-                        generator=self._generator)
-        for i, (seq, token) in enumerate(zip(seqs, result.token_ids.tolist())):
-            self._append(seq, token, result.logprobs[i] if result.logprobs else None, touched)
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        try:
+            result = sample(logits, params, histories, generators, eos, generator=self._generator)
+            picks = [(seq, token, result.logprobs[i] if result.logprobs else None)
+                     for i, (seq, token) in enumerate(zip(seqs, result.token_ids.tolist()))]
+        except Exception:  # find whose parameters broke it: sample row by row
+            picks = []
+            for i, seq in enumerate(seqs):
+                try:
+                    one = sample(logits[i : i + 1], params[i : i + 1], histories[i : i + 1], generators[i : i + 1],
+                                 eos, generator=self._generator)
+                except Exception as error:
+                    self._fail(seq.request, error, touched)
+                    continue
+                picks.append((seq, one.token_ids.item(), one.logprobs[0] if one.logprobs else None))
+        for seq, token, logprobs in picks:
+            if seq.request.request_id not in self.requests:  # failed above (a sibling of n > 1)
+                continue
+            try:
+                self._append(seq, token, logprobs, touched)
+            except Exception as error:
+                self._fail(seq.request, error, touched)
+
+    def _fail(self, request: Request, error: BaseException | None, touched: dict[str, Request]) -> None:
+        """Abort one request whose own computation raised; the engine keeps serving the others."""
+        log.error("request %s failed in the engine step", request.request_id, exc_info=error)
+        self.abort(request.request_id)
+        touched.pop(request.request_id, None)
+        self._failures[request.request_id] = f"internal engine error: {type(error).__name__}: {error}"
 
     def _with_forked_samples(self, sampled: list[Sequence]) -> tuple[list[int], list[Sequence]]:
         """The scheduler forks n > 1 requests' siblings (see ``Scheduler.fork_parallel_samples``);

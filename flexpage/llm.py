@@ -42,7 +42,13 @@ class LLM:
         ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prepared, params)]
         results: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            outputs = self.engine.step()
+            failures = self.engine.take_failures()
+            if failures:  # the engine aborted these alone; stop the rest of this call too
+                for request_id in ids:
+                    self.engine.abort(request_id)
+                raise RuntimeError("; ".join(f"request {rid}: {message}" for rid, message in failures.items()))
+            for out in outputs:
                 if out.finished:
                     results[out.request_id] = out
                     if on_progress is not None:

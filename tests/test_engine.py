@@ -478,6 +478,75 @@ def test_duplicate_request_id_is_rejected_without_disturbing_the_first(tiny_mode
     assert _run_to_completion(engine) == {"a": hf_reference("mistral")[0]}
 
 
+#: a token id that the fault-injection tests below make the forward pass fail on
+POISON = 4242
+
+
+@pytest.fixture
+def failing_forward(monkeypatch):
+    """Make ``runner.execute`` raise for any batch holding the token ``POISON``."""
+
+    def install(engine) -> None:
+        execute = engine.runner.execute
+
+        def execute_or_fail(inputs):
+            if POISON in inputs.token_ids:
+                raise RuntimeError("injected forward failure")
+            return execute(inputs)
+
+        monkeypatch.setattr(engine.runner, "execute", execute_or_fail)
+
+    return install
+
+
+def test_a_request_whose_forward_pass_fails_is_aborted_alone(tiny_model, llm_factory, hf_reference,
+                                                            failing_forward):
+    engine = llm_factory(tiny_model("mistral")).engine
+    failing_forward(engine)
+    ids = [engine.add_request({"prompt_token_ids": p}, GREEDY) for p in PROMPTS[:2]]
+    bad = engine.add_request({"prompt_token_ids": [5, POISON, 6, 7]}, GREEDY)
+    ids += [engine.add_request({"prompt_token_ids": p}, GREEDY) for p in PROMPTS[2:]]
+    done, failures = {}, {}
+    for _ in range(200):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        failures.update(engine.take_failures())
+        if not engine.has_unfinished_requests():
+            break
+    assert failures == {bad: "internal engine error: RuntimeError: injected forward failure"}
+    assert bad not in done
+    assert [done[i] for i in ids] == hf_reference("mistral")
+
+
+def test_a_request_whose_sampling_fails_is_aborted_alone(tiny_model, llm_factory, hf_reference, monkeypatch):
+    import flexpage.engine
+
+    sample = flexpage.engine.sample
+
+    def sample_or_fail(logits, params, *args, **kwargs):
+        if any(p.max_tokens == NEW_TOKENS + 1 for p in params):
+            raise OverflowError("injected sampling failure")
+        return sample(logits, params, *args, **kwargs)
+
+    monkeypatch.setattr(flexpage.engine, "sample", sample_or_fail)
+    engine = llm_factory(tiny_model("mistral")).engine
+    ids = [engine.add_request({"prompt_token_ids": p}, GREEDY) for p in PROMPTS]
+    bad = engine.add_request({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0.0,
+                                                                              max_tokens=NEW_TOKENS + 1))
+    done = _run_to_completion(engine)
+    assert engine.take_failures() == {bad: "internal engine error: OverflowError: injected sampling failure"}
+    assert [done[i] for i in ids] == hf_reference("mistral")
+
+
+def test_generate_raises_when_one_of_its_requests_fails(tiny_model, llm_factory, failing_forward):
+    llm = llm_factory(tiny_model("mistral"))
+    failing_forward(llm.engine)
+    with pytest.raises(RuntimeError, match="injected forward failure"):
+        llm.generate(as_inputs([PROMPTS[0], [5, POISON, 6]]), GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_prompt_needing_more_blocks_than_the_pool_is_rejected(tiny_model, llm_factory):
     engine = llm_factory(tiny_model("llama"), num_blocks=4).engine
     with pytest.raises(ValueError, match="num_blocks"):

@@ -258,6 +258,8 @@ class EngineLoop:
                     self._abort_all(f"internal engine error: {type(error).__name__}: {error}")
                     outputs = []
                 self.steps += 1
+                for request_id, message in self.engine.take_failures().items():  # aborted alone
+                    self._fail_one(request_id, message)
                 for out in outputs:
                     self._dispatch(out)
                 self._flush()
@@ -322,6 +324,15 @@ class EngineLoop:
         except Exception:  # noqa: BLE001
             log.error("abort(%s) failed:\n%s", request_id, traceback.format_exc())
             return False
+
+    def _fail_one(self, request_id: str, message: str) -> None:
+        """A request the engine aborted because its own computation failed: a 500 for its client."""
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return
+        if self.metrics is not None:
+            self.metrics.observe_finish("abort")
+        self._post(live.sink, Failed(live.tag, message))
 
     def _abort_all(self, message: str, shutdown: bool = False) -> None:
         for request_id, live in list(self._live.items()):
