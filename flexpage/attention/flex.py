@@ -258,8 +258,8 @@ class FlexRunner:
     """Runs paged attention for one model: holds the recipe and the compile switch.
 
     ``deterministic``: a query row's output is the same bits in any batch (the batches must be
-    planned with ``build_paged_batch(..., gather_decode=True)``, so every row reads its keys in
-    the same logical blocks); the CPU kernels then skip their shape-dependent fast paths (see
+    planned with ``build_paged_batch(..., deterministic=True)``, so every row reads its keys in
+    the same logical blocks); the CPU kernels then take one path for every call shape (see
     :mod:`flexpage.attention._cpu_template_tuning`).
     """
 

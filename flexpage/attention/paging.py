@@ -173,7 +173,8 @@ def build_paged_batch(
     threads = torch.get_num_threads() if num_threads is None else num_threads
     groups = []
     decode_q_block = PREFILL_Q_BLOCK if deterministic else DECODE_Q_BLOCK
-    for mask, q_block in ((is_decode, decode_q_block), (~is_decode, PREFILL_Q_BLOCK)):  # decode: in place; prefill: gathered
+    # decode rows read the pool in place (gathered too when deterministic), prefill rows a gathered copy
+    for mask, q_block in ((is_decode, decode_q_block), (~is_decode, PREFILL_Q_BLOCK)):
         rows = np.flatnonzero(mask)
         if rows.size == 0:
             continue
