@@ -277,7 +277,7 @@ class LLMEngine:
                     self._fail(sched.scheduled[0].seq.request, failure.__cause__, touched)
                 else:
                     for item in sched.scheduled:
-                        self._run_alone(sched, item, touched)
+                        self._run_alone(item, touched)
         return [r.to_output() for r in touched.values()]
 
     def take_failures(self) -> dict[str, str]:
@@ -312,7 +312,7 @@ class LLMEngine:
         if sampled:
             self._sample(logits, sampled, touched)
 
-    def _run_alone(self, sched: SchedulerOutput, item: Any, touched: dict[str, Request]) -> None:
+    def _run_alone(self, item: Any, touched: dict[str, Request]) -> None:
         """Run one scheduled sequence of a step whose batched forward pass failed."""
         if item.seq.status is not SequenceStatus.RUNNING:  # its request failed already (n > 1)
             return
