@@ -148,3 +148,12 @@ def test_a_tokens_attention_is_the_same_bits_decoded_prefilled_or_batched(dtype)
     assert torch.equal(output([other, table], [300, length], [40, 1], 40), reference)
     assert torch.equal(output([table], [length], [37], 36), reference)
     assert torch.equal(output([other, table], [300, length], [1, 200], 200), reference)
+
+
+def test_deterministic_attention_without_the_tuned_template_is_refused(monkeypatch):
+    from flexpage.attention import flex, torch_patches
+
+    monkeypatch.setattr(torch_patches, "tuning_active", lambda: False)
+    with pytest.raises(ValueError, match="deterministic: attention needs flexpage's tuned CPU template"):
+        flex.kernel_options_for(torch.device("cpu"), None, deterministic=True)
+    assert flex.kernel_options_for(torch.device("cpu"), None) == flex.isa_kernel_options(torch.device("cpu"))

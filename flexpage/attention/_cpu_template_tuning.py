@@ -284,6 +284,8 @@ def apply() -> bool:
     for old, new in _LEAN_EDITS:
         lean_template = lean_template.replace(old, new)
     reduced_template = lean_template.replace(_STOCK_PV_BRANCH, _TUNED_PV_BRANCH)
+    if any(reduced_template.count(old) != 1 for old, _ in _DETERMINISTIC_EDITS):
+        return False
     deterministic_template = reduced_template
     for old, new in _DETERMINISTIC_EDITS:
         deterministic_template = deterministic_template.replace(old, new)

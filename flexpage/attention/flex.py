@@ -196,12 +196,26 @@ def kernel_options_for(device: torch.device, kernel_options: dict | None, *, det
     the tuned template (see :mod:`flexpage.attention._cpu_template_tuning`), in its
     deterministic form if asked."""
     options = {**(kernel_options or {}), **isa_kernel_options(device)}
-    if device.type == "cpu" and torch_patches.tuning_active():  # stock kernels keep a key of their own
+    if device.type != "cpu":
+        return options
+    if torch_patches.tuning_active():  # stock kernels keep a key of their own
         options.setdefault(_cpu_template_tuning.TUNED_OPTION, _cpu_template_tuning.TUNING_VERSION)
         if deterministic:
             options[_cpu_template_tuning.DETERMINISTIC_OPTION] = True
+    elif deterministic:  # the stock template picks its arithmetic by call shape
+        raise ValueError("deterministic: attention needs flexpage's tuned CPU template, which is not installed "
+                           f"(compile=False or FLEXPAGE_COMPILE=0, {torch_patches.ENV_SWITCH}=0, or torch "
+                           f"{torch.__version__}'s template text changed); run compiled, or without deterministic")
     return options
 
+
+
+def check_deterministic_supported(compile: bool) -> None:
+    """Raise at start-up, not at the first step, where deterministic CPU attention cannot hold
+    (see :func:`kernel_options_for`)."""
+    if compile:
+        torch_patches.install()
+    kernel_options_for(torch.device("cpu"), None, deterministic=True)
 
 
 def raised_compile_limits() -> contextlib.AbstractContextManager:

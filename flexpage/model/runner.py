@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flexpage.attention.flex import FlexRunner, raised_compile_limits
+from flexpage.attention.flex import FlexRunner, check_deterministic_supported, raised_compile_limits
 from flexpage.attention.kv_pool import KVPool
 from flexpage.attention.paging import PagedBatch, build_paged_batch, next_power_of_two, token_positions
 from flexpage.attention.recipe import Recipe
@@ -207,6 +207,8 @@ class ModelRunner:
             _route_bloom_attention(model, self)
         self.dtype = next(model.parameters()).dtype
         self.deterministic = deterministic
+        if deterministic:
+            check_deterministic_supported(compile)
         row_tile = DETERMINISTIC_ROW_TILE if deterministic else None
         self.compact = (CompactDecoder(model, row_tile=row_tile) if model_impl != "transformers" and supports(model)
                         else None)
