@@ -66,6 +66,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     compile: bool = True
+    # decode steps of Llama-family models run as one compiled graph (flexpage.model.compiled_step);
+    # False: layer by layer, as prefill steps run (for comparison and debugging)
+    compile_step: bool = True
     # how layers around attention run: "flexpage" (compact Llama-family forward),
     # "transformers" (HF's modules), "auto" (compact where the model has one); see ModelRunner
     model_impl: str = "auto"
@@ -98,8 +101,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory: got {self.kv_cache_memory!r}, expected a positive size")
         if parse_size(self.swap_space) < 0:
             raise ValueError(f"swap_space: got {self.swap_space!r}, expected a size >= 0")
-        if not isinstance(self.deterministic, bool):
-            raise ValueError(f"deterministic: got {self.deterministic!r}, expected True or False")
+        for name in ("deterministic", "compile", "compile_step"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: got {getattr(self, name)!r}, expected True or False")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl: got {self.model_impl!r}, expected one of {MODEL_IMPLS}")
         if self.preemption_mode not in ("recompute", "swap"):

@@ -95,7 +95,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size, compile=compile,
                                   num_host_blocks=parse_size(config.swap_space) // bytes_per_block,
                                   blocks_per_attention_block=run_length, model_impl=config.model_impl,
-                                  recipes=self.recipes, deterministic=config.deterministic)
+                                  recipes=self.recipes, deterministic=config.deterministic,
+                                  compile_step=config.compile_step)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
             num_host_blocks=self.runner.num_host_blocks, run_length=run_length,

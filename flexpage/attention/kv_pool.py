@@ -55,6 +55,8 @@ class KVPool:
         shape = (num_layers, 2, 1, num_kv_heads, num_blocks * block_size, head_dim)
         # one allocation for everything, so swap/copy of a block touches one tensor
         self.storage = allocate_pool(shape, dtype, self.device)
+        self._layers = [(_separate_tensor(self.storage[i, 0]), _separate_tensor(self.storage[i, 1]))
+                        for i in range(num_layers)]
 
     @property
     def num_slots(self) -> int:
@@ -66,8 +68,11 @@ class KVPool:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.storage.element_size()
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(key, value) views of one layer: ``[1, H_kv, num_slots, D]`` each."""
-        return self.storage[index, 0], self.storage[index, 1]
+        """(key, value) of one layer: ``[1, H_kv, num_slots, D]`` each, over the memory of
+        :attr:`storage` but (on the CPU) tensors of their own storage, so that a compiled
+        step that writes every layer's K/V in place sees no two inputs alias (see
+        :func:`_separate_tensor`)."""
+        return self._layers[index]
 
     def write(self, index: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store new K/V for a batch of tokens in one vectorised scatter.
@@ -105,6 +110,22 @@ class KVPool:
     def _block_slots(self, blocks: list[int]) -> torch.Tensor:
         ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
         return (ids[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
+
+
+def _separate_tensor(view: torch.Tensor) -> torch.Tensor:
+    """``view`` (contiguous, on the CPU) as a tensor with a storage object of its own over the same memory.
+
+    Why: a compiled graph that mutates two inputs sharing one storage treats them as views of
+    a common base and copies the whole base around every in-place write (Inductor
+    functionalisation): for the KV pool, every layer's pool copied per layer per step. Over
+    distinct storage objects the in-place ``index_copy_`` stays in place. Both tensors keep
+    the memory alive (the new one holds the old one's numpy view). Off the CPU the view is
+    returned as it is.
+    """
+    if view.device.type != "cpu":
+        return view
+    raw = view.view(torch.uint8).numpy()  # shares the memory; numpy has no bfloat16, bytes suffice
+    return torch.frombuffer(raw, dtype=view.dtype).view(view.shape)
 
 
 _HUGE_PAGE = 2 << 20

@@ -1,11 +1,13 @@
-"""The two changes flexpage makes inside PyTorch's Inductor, installed explicitly and safely.
+"""The three changes flexpage makes inside PyTorch's Inductor, installed explicitly and safely.
 
 * :mod:`~flexpage.attention._inductor_fix`: a size-symbol name clash in the CPU FlexAttention
   template, which makes paged mask mods fail to compile;
 * :mod:`~flexpage.attention._cpu_template_tuning`: the tuned CPU template for paged attention
-  (opt-in per kernel through its kernel option).
+  (opt-in per kernel through its kernel option);
+* :mod:`~flexpage.attention._packed_linear_lowering`: graphs may call oneDNN's packed linear
+  on weights that are inputs (the compiled step: one graph for every layer).
 
-Both rewrite private PyTorch code, so :func:`install` applies them only on the torch
+All rewrite private PyTorch code, so :func:`install` applies them only on the torch
 versions they were written and tested against (:data:`TESTED_TORCH`, which pyproject's
 torch range matches), only when every private symbol and template text they touch is
 present, and not when ``FLEXPAGE_TORCH_PATCHES=0``. Otherwise flexpage runs PyTorch's stock
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flexpage.attention import _cpu_template_tuning, _inductor_fix
+from flexpage.attention import _cpu_template_tuning, _inductor_fix, _packed_linear_lowering
 
 #: torch versions (major.minor) the patches were written and tested against
 TESTED_TORCH = ("2.13",)
@@ -35,7 +37,7 @@ ENV_SWITCH = "FLEXPAGE_TORCH_PATCHES"
 
 @dataclass(frozen=True)
 class PatchStatus:
-    """What :func:`install` did: ``active`` when both patches are in; else ``reason``."""
+    """What :func:`install` did: ``active`` when every patch is in; else ``reason``."""
 
     active: bool
     reason: str = ""
@@ -47,6 +49,7 @@ def install() -> PatchStatus:
     if not reason:
         try:
             _inductor_fix.apply()
+            _packed_linear_lowering.apply()
             if not _cpu_template_tuning.apply():
                 reason = "PyTorch's CPU FlexAttention template text is not the one the tuning edits"
         except (ImportError, AttributeError) as error:

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flexpage.attention import torch_patches
 from flexpage.attention.flex import FlexRunner, check_deterministic_supported, raised_compile_limits
 from flexpage.attention.kv_pool import KVPool
 from flexpage.attention.paging import PagedBatch, build_paged_batch, next_power_of_two, token_positions
@@ -49,6 +50,7 @@ from flexpage.attention.recipe import Recipe
 from flexpage.config import MODEL_IMPLS
 from flexpage.core.layer_groups import LayerGroup, plan_layer_groups
 from flexpage.model.compact import CompactDecoder, supports
+from flexpage.model.compiled_step import CompiledDecodeStep
 from flexpage.model.layer_recipes import model_recipes, recipe_for
 from flexpage.model.packed_linear import tiled_rows
 
@@ -174,7 +176,8 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int, compile: bool = True,
                  num_host_blocks: int = 0, blocks_per_attention_block: int = 1, model_impl: str = "auto",
-                 recipes: Sequence[Recipe] | None = None, deterministic: bool = False) -> None:
+                 recipes: Sequence[Recipe] | None = None, deterministic: bool = False,
+                 compile_step: bool = True) -> None:
         """``recipes``: one per decoder layer (:func:`~flexpage.model.layer_recipes.engine_recipes`);
         None: the model's own (:func:`~flexpage.model.layer_recipes.model_recipes`).
 
@@ -184,6 +187,10 @@ class ModelRunner:
         (:func:`~flexpage.model.packed_linear.tiled_rows`) and attention plans and kernels keep
         one summation order per row (``build_paged_batch(deterministic=True)``); norms,
         activations and the LM head's softmax already work row by row.
+
+        ``compile_step``: decode-only steps of the compact forward run as one compiled graph
+        (:class:`~flexpage.model.compiled_step.CompiledDecodeStep`) where it applies: compiled,
+        not deterministic, on the CPU, one layer group and one recipe for every layer.
         """
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl: got {model_impl!r}, expected one of {MODEL_IMPLS}")
@@ -231,6 +238,12 @@ class ModelRunner:
             dtype=self.dtype,
         )
         self.compile = compile
+        self.compiled_step = (
+            CompiledDecodeStep(self.compact, self.layer_recipes[0], self.pool, blocks_per_attention_block)
+            if compile_step and compile and not deterministic and self.compact is not None
+            and self.pool.device.type == "cpu" and len(self.layer_groups) == 1 and len(set(self.layer_recipes)) == 1
+            and torch_patches.install().active else None
+        )
         self._runners: dict[tuple[str, float | None], FlexRunner] = {}
         # the host tier for preemption by swapping: same layout as the pool's slots
         self.num_host_blocks = num_host_blocks
@@ -266,6 +279,10 @@ class ModelRunner:
         token_ids = torch.tensor(inputs.token_ids)
         sample_rows = torch.tensor(inputs.sample_rows, dtype=torch.long)
         with raised_compile_limits():  # once per step, not per layer (see flexpage.attention.flex)
+            if self.compiled_step is not None:
+                batch = step.batch_for(self.layer_recipes[0])
+                if self.compiled_step.accepts(batch):
+                    return self.compiled_step(token_ids, positions, sample_rows, batch).float()
             if self.compact is not None:
                 scale, recipes = self.compact.scale, self.layer_recipes
 

@@ -1,0 +1,198 @@
+"""A whole decode step of a Llama-family model as one compiled graph.
+
+Why: layer by layer, a decode step is hundreds of small eager ops and 30 compiled attention
+calls, each crossing Dynamo's guards and AOTAutograd's wrappers (~150 us a call on the
+2-core test machine). Batch-48 SmolLM2 decode spent about a third of its time there. Here
+every layer -- norms, the packed projections, RoPE, the KV write into the pool, paged
+FlexAttention, the MLP -- and the final norm and LM head are traced into one
+``torch.compile`` graph: one guard check per step, elementwise ops fused by Inductor.
+
+Two things make that graph cheap to build and to run:
+
+* **One compiled layer.** A layer's two halves are ``torch.compiler.nested_compile_region``
+  functions: traced and compiled once, called for every layer (compiling 30 inlined layers
+  took 165 s on 2 cores; with the regions, 24 s).
+* **KV written in place.** Each layer's K and V pools are tensors of their own storage
+  (:meth:`flexpage.attention.kv_pool.KVPool.layer`), written with ``index_copy_`` in the graph:
+  views of one shared storage made Inductor copy whole pools around every write.
+
+The packed oneDNN weights are graph inputs (one graph serves every layer), which Inductor
+lowers through :mod:`flexpage.attention._packed_linear_lowering`. Row counts are padded to the
+packed linears' buckets (:func:`~flexpage.model.packed_linear.padded_rows`) outside the graph,
+and the per-step sizes are dynamic, so a model gets two graphs: one-row steps (Dynamo
+specialises a size of 1) and the rest.
+
+Only decode-only steps take this path (``CompiledDecodeStep.accepts``): prefill steps are
+dominated by large matmuls and run layer by layer.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flexpage.attention import torch_patches
+from flexpage.attention.flex import _group_attention, call_compiled, kernel_options_for
+from flexpage.attention.kv_pool import KVPool
+from flexpage.attention.paging import AttentionGroup, PagedBatch
+from flexpage.attention.recipe import Recipe
+from flexpage.model.compact import CompactDecoder
+from flexpage.model.packed_linear import PackedLinear, padded_rows
+
+__all__ = ["CompiledDecodeStep"]
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The constants a compiled step is specialised on (one program per distinct value)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+    packed: bool  # projections run oneDNN's packed kernel (else F.linear)
+    qk_norm: bool  # Qwen3: RMSNorm over each head's dims before RoPE
+    page_size: int
+    pages_per_block: int
+    recipe: Recipe
+    kernel_options: tuple[tuple[str, object], ...]
+
+
+class CompiledDecodeStep:
+    """Runs decode-only steps of a :class:`CompactDecoder` through one compiled graph."""
+
+    def __init__(self, decoder: CompactDecoder, recipe: Recipe, pool: KVPool, pages_per_block: int) -> None:
+        if not torch_patches.install().active:
+            raise RuntimeError("the compiled step needs flexpage's Inductor patches (torch_patches.install())")
+        self.decoder = decoder
+        linears = [linear for layer in decoder.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        packed = {linear.packed for linear in linears}
+        if len(packed) != 1:
+            raise ValueError("the compiled step needs every projection packed, or none")
+        options = kernel_options_for(pool.device, None)
+        self.shape = _Shape(
+            heads=decoder.num_heads, kv_heads=decoder.num_kv_heads, head_dim=decoder.head_dim, eps=decoder.eps,
+            scale=decoder.scale, packed=packed.pop(), qk_norm=decoder.layers[0].q_norm is not None,
+            page_size=pool.block_size, pages_per_block=pages_per_block, recipe=recipe,
+            kernel_options=tuple(sorted(options.items())),
+        )
+        self.pool = pool
+        self.layer_weights = tuple(
+            (layer.input_norm, *_weight_and_bias(layer.qkv), layer.q_norm, layer.k_norm, *_weight_and_bias(layer.o),
+             layer.post_norm, *_weight_and_bias(layer.gate_up), *_weight_and_bias(layer.down))
+            for layer in decoder.layers
+        )
+        self.layer_pools = tuple(pool.layer(i) for i in range(len(decoder.layers)))
+        self.head = (decoder.final_norm, *_weight_and_bias(decoder.lm_head))
+        self.steps_run = 0  # decode steps this object ran (tests and profiles read it)
+
+    @staticmethod
+    def accepts(batch: PagedBatch) -> bool:
+        """True for a step of decode rows only, read in place (one group, no gathered keys)."""
+        return len(batch.groups) == 1 and batch.groups[0].q_len == 1 and batch.groups[0].kv_slots is None
+
+    @torch.no_grad()
+    def __call__(self, token_ids: Tensor, positions: Tensor, sample_rows: Tensor, batch: PagedBatch) -> Tensor:
+        """Logits ``[len(sample_rows), vocab]`` (model dtype) of the decode step ``batch``."""
+        tokens, sampled = token_ids.shape[0], sample_rows.shape[0]
+        rows = padded_rows(tokens)  # the packed linears' bucket: one oneDNN kernel per bucket
+        token_ids = F.pad(token_ids, (0, rows - tokens))
+        positions = F.pad(positions, (0, rows - tokens))
+        sample_rows = F.pad(sample_rows, (0, padded_rows(sampled) - sampled))
+        cos, sin = self.decoder.rotary(self.decoder.embed[:1], positions[None])  # [1, T, D], model dtype
+        half = self.shape.head_dim // 2
+        cos = cos[0, :, None]
+        sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)[:, None]
+        group = batch.groups[0]
+        step_inputs = (token_ids, cos, sin, batch.slots, sample_rows, *_plan(group))
+        for t in step_inputs:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(group.block_table, 1)
+        program = _program(self.shape)
+        self.steps_run += 1
+        logits = call_compiled(program, self.decoder.embed, self.layer_weights, self.layer_pools, self.head,
+                               *step_inputs, group.page_to_logical)
+        return logits[:sampled]
+
+
+def _weight_and_bias(linear: PackedLinear) -> tuple[Tensor, Tensor | None]:
+    return linear.weight, linear.bias
+
+
+def _plan(group: AttentionGroup) -> tuple[Tensor, ...]:
+    """The decode group's per-step tensors, rows first (all dynamic in their first dim)."""
+    return (group.kv_num_blocks, group.kv_indices, group.full_kv_num_blocks, group.full_kv_indices, group.row_seq,
+            group.block_table, group.q_start, group.seq_len, group.gather_index, group.scatter_rows,
+            group.scatter_tokens)
+
+
+@functools.cache
+def _program(shape: _Shape) -> Callable[..., Tensor]:
+    """The compiled step for one model shape (shared by every runner of that shape)."""
+    heads, kv_heads, dim = shape.heads, shape.kv_heads, shape.head_dim
+    group_size = heads // kv_heads
+    kernel_options = dict(shape.kernel_options)
+
+    def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        if shape.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return F.linear(x, weight, bias)
+
+    def norm(x: Tensor, weight: Tensor) -> Tensor:  # as CompactDecoder._norm
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=shape.eps).to(x.dtype)
+
+    @torch.compiler.nested_compile_region
+    def attention_inputs(hidden: Tensor, cos: Tensor, sin: Tensor, input_norm: Tensor, qkv_w: Tensor,
+                         qkv_b: Tensor | None, q_norm: Tensor | None, k_norm: Tensor | None,
+                         ) -> tuple[Tensor, Tensor, Tensor]:
+        rows = hidden.shape[0]
+        qkv = linear(norm(hidden, input_norm), qkv_w, qkv_b)
+        qk = qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim)
+        if shape.qk_norm:
+            qk = torch.cat((norm(qk[:, :heads], q_norm), norm(qk[:, heads:], k_norm)), 1)
+        qk = qk * cos + qk.roll(dim // 2, -1) * sin
+        v = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
+        return qk[:, :heads].contiguous(), qk[:, heads:].contiguous(), v.contiguous()
+
+    @torch.compiler.nested_compile_region
+    def attention_and_mlp(hidden: Tensor, q: Tensor, k_pool: Tensor, v_pool: Tensor, o_w: Tensor,
+                          o_b: Tensor | None, post_norm: Tensor, gate_up_w: Tensor, gate_up_b: Tensor | None,
+                          down_w: Tensor, down_b: Tensor | None, kv_num_blocks: Tensor, kv_indices: Tensor,
+                          full_kv_num_blocks: Tensor, full_kv_indices: Tensor, row_seq: Tensor, block_table: Tensor,
+                          q_start: Tensor, seq_len: Tensor, gather_index: Tensor, scatter_rows: Tensor,
+                          scatter_tokens: Tensor, page_to_logical: Tensor) -> Tensor:
+        rows, group_rows = hidden.shape[0], gather_index.shape[0]
+        # query heads packed into rows per kv head, as FlexRunner's decode path does
+        q = q.index_select(0, gather_index).view(group_rows, kv_heads, group_size, dim)
+        out = _group_attention(
+            q, k_pool, v_pool, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, row_seq,
+            block_table, q_start, seq_len, page_to_logical, shape.recipe, shape.page_size, shape.pages_per_block,
+            1, group_size, True, shape.scale, kernel_options,
+        ).reshape(group_rows, heads * dim)
+        out = out.new_zeros(rows, heads * dim).index_copy(0, scatter_tokens, out.index_select(0, scatter_rows))
+        hidden = hidden + linear(out, o_w, o_b)
+        gate, up = linear(norm(hidden, post_norm), gate_up_w, gate_up_b).chunk(2, -1)
+        return hidden + linear(F.silu(gate) * up, down_w, down_b)
+
+    def forward(embed: Tensor, layer_weights: tuple, layer_pools: tuple, head: tuple, token_ids: Tensor,
+                cos: Tensor, sin: Tensor, slots: Tensor, sample_rows: Tensor, *plan: Tensor) -> Tensor:
+        tokens = slots.shape[0]
+        hidden = F.embedding(token_ids, embed)
+        for weights, (k_pool, v_pool) in zip(layer_weights, layer_pools):
+            input_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_norm, gu_w, gu_b, down_w, down_b = weights
+            q, k, v = attention_inputs(hidden, cos, sin, input_norm, qkv_w, qkv_b, q_norm, k_norm)
+            # in place, on tensors that alias nothing else in the graph (see the module docstring)
+            k_pool.index_copy_(2, slots, k[:tokens].transpose(0, 1)[None])
+            v_pool.index_copy_(2, slots, v[:tokens].transpose(0, 1)[None])
+            hidden = attention_and_mlp(hidden, q, k_pool, v_pool, o_w, o_b, post_norm, gu_w, gu_b, down_w, down_b,
+                                       *plan)
+        final_norm, lm_w, lm_b = head
+        return linear(norm(hidden[sample_rows], final_norm), lm_w, lm_b)
+
+    return torch.compile(forward, dynamic=False, fullgraph=True)
