@@ -1,6 +1,6 @@
 """flexpage against the CPU engine a user would pick instead: OpenVINO GenAI, same workload, one run.
 
-    python -m bench.anchors [--rounds 4] [--openvino-python PATH] [--openvino-model DIR]
+    python -m bench.anchors [--rounds 4] [--openvino-python PATH] [--openvino-model DIR] [--layered]
 
 The workload (issue 12): 48 prompts of random token ids, lengths log-normal(5.0, 0.8)
 clipped to 16-1024, 64 greedy output tokens each (``ignore_eos``), all submitted at once.
@@ -18,7 +18,8 @@ no prefix cache helps:
 OpenVINO GenAI runs in its own virtual environment (its exporter pulls packages that
 would replace the CPU torch; install notes in docs/anchors.md). ``--openvino-python``
 names that environment's python (default: ``$FLEXPAGE_OPENVINO_PYTHON``); without it only
-flexpage runs. Its model is SmolLM2-135M-Instruct exported by optimum-intel with fp16
+flexpage runs. ``--layered`` adds flexpage with ``compile_step=False`` (decode steps layer by
+layer instead of one compiled graph) to the same rounds. Its model is SmolLM2-135M-Instruct exported by optimum-intel with fp16
 weights (bf16 compute on AMX CPUs), made once from flexpage's cached HF folder when
 missing. Workers print one JSON line; this file imports nothing but the standard library
 and numpy at module level, so the OpenVINO environment can run it as a plain file.
@@ -44,7 +45,7 @@ DEFAULT_OUT = Path("bench/results/anchors.json")
 DEFAULT_PLOT = Path("docs/img/anchors.png")
 DEFAULT_OV_MODEL = Path.home() / ".cache" / "flexpage" / "openvino" / "SmolLM2-135M-Instruct-fp16"
 #: what a worker process can run (bench/deterministic.py runs the last one)
-WORKERS = ("flexpage", "openvino", "flexpage-deterministic")
+WORKERS = ("flexpage", "openvino", "flexpage-deterministic", "flexpage-layered")
 METRICS = ("tok_s", "ttft16_ms", "prefill128_ms", "decode_ms", "ready_s", "peak_rss_mb")
 
 
@@ -59,11 +60,11 @@ def fresh_prompt(rng: np.random.Generator, length: int) -> list[int]:
 
 
 class FlexpageEngine:
-    def __init__(self, deterministic: bool = False) -> None:
+    def __init__(self, **config: bool) -> None:
         from flexpage import LLM, SamplingParams
 
         self.params = SamplingParams
-        self.llm = LLM(deterministic=deterministic)
+        self.llm = LLM(**config)
         self.llm.engine.warm_up()
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> int:
@@ -99,7 +100,8 @@ def timed(fn, *args) -> float:  # noqa: ANN001
 
 def run_worker(engine_name: str, seed: int, ov_model: str) -> dict:
     engine = (OpenVINOEngine(ov_model) if engine_name == "openvino"
-              else FlexpageEngine(deterministic=engine_name == "flexpage-deterministic"))
+              else FlexpageEngine(deterministic=engine_name == "flexpage-deterministic",
+                                  compile_step=engine_name != "flexpage-layered"))
     engine.generate(workload(WARMUP_SEED), OUTPUT_TOKENS)
     ready_s = time.perf_counter() - _STARTED
     start = time.perf_counter()
@@ -144,6 +146,8 @@ def summarise(rounds: list[dict]) -> dict:
     result = {"median": table, "per_round": spread}
     if "openvino" in table:
         result["flexpage_over_openvino"] = {m: table["flexpage"][m] / table["openvino"][m] for m in METRICS}
+    if "flexpage-layered" in table:
+        result["compiled_step_over_layered"] = {m: table["flexpage"][m] / table["flexpage-layered"][m] for m in METRICS}
     return result
 
 
@@ -180,6 +184,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="ratio plot (written when OpenVINO ran)")
     p.add_argument("--plot-only", action="store_true", help="redraw --plot from --out without running")
+    p.add_argument("--layered", action="store_true", help="also run flexpage with compile_step=False")
     p.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -190,6 +195,8 @@ def main() -> None:
         plot(json.loads(args.out.read_text()), args.plot)
         return
     engines = {"flexpage": sys.executable}
+    if args.layered:
+        engines["flexpage-layered"] = sys.executable
     if args.openvino_python:
         if not args.openvino_model.exists():
             export_openvino_model(args.openvino_python, args.openvino_model)
@@ -203,9 +210,10 @@ def main() -> None:
     result = {"workload": f"{NUM_PROMPTS} prompts, lognormal(5.0, 0.8) clipped 16-1024, {OUTPUT_TOKENS} greedy tokens",
               "rounds": args.rounds, **summarise(rounds)}
     for engine, row in result["median"].items():
-        print(f"{engine:>9}: " + ", ".join(f"{m} {v:.1f}" for m, v in row.items()))
-    if "flexpage_over_openvino" in result:
-        print("flexpage / openvino: " + ", ".join(f"{m} {v:.2f}" for m, v in result["flexpage_over_openvino"].items()))
+        print(f"{engine:>16}: " + ", ".join(f"{m} {v:.1f}" for m, v in row.items()))
+    for key in ("flexpage_over_openvino", "compiled_step_over_layered"):
+        if key in result:
+            print(f"{key}: " + ", ".join(f"{m} {v:.2f}" for m, v in result[key].items()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

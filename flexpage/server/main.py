@@ -162,6 +162,8 @@ def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str
                                                               else "  (--recipe)"))
     table.add_row("layers", "flexpage compact forward (fused, pre-packed projections)" if engine.runner.compact
                   else "HF transformers modules")
+    table.add_row("decode step", "one compiled graph (2 variants: batch 1, batch 2+)" if engine.runner.compiled_step
+                  else "layer by layer")
     table.add_row("API key", "required" if settings.api_key else "none (open)")
     table.add_row("startup", f"load {load_s:.1f} s, warm-up {warm_s:.1f} s")
     console.print(Panel(table, title="[bold]flexpage serve[/bold]", subtitle="Ctrl-C drains and stops",
