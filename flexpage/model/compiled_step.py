@@ -37,14 +37,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flexpage.attention import torch_patches
-from flexpage.attention.flex import _group_attention, call_compiled, kernel_options_for
+from flexpage.attention.flex import _gathered_group_attention, _group_attention, call_compiled, kernel_options_for
 from flexpage.attention.kv_pool import KVPool
 from flexpage.attention.paging import AttentionGroup, PagedBatch
 from flexpage.attention.recipe import Recipe
 from flexpage.model.compact import CompactDecoder
 from flexpage.model.packed_linear import PackedLinear, padded_rows
 
-__all__ = ["CompiledDecodeStep"]
+__all__ = ["CompiledStep"]
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,8 @@ class _Shape:
     kernel_options: tuple[tuple[str, object], ...]
 
 
-class CompiledDecodeStep:
-    """Runs decode-only steps of a :class:`CompactDecoder` through one compiled graph."""
+class CompiledStep:
+    """Runs the steps of a :class:`CompactDecoder` through one compiled graph each."""
 
     def __init__(self, decoder: CompactDecoder, recipe: Recipe, pool: KVPool, pages_per_block: int) -> None:
         if not torch_patches.install().active:
@@ -90,16 +90,19 @@ class CompiledDecodeStep:
         )
         self.layer_pools = tuple(pool.layer(i) for i in range(len(decoder.layers)))
         self.head = (decoder.final_norm, *_weight_and_bias(decoder.lm_head))
-        self.steps_run = 0  # decode steps this object ran (tests and profiles read it)
+        self.steps_run = 0  # steps this object ran (tests and profiles read it)
 
     @staticmethod
     def accepts(batch: PagedBatch) -> bool:
-        """True for a step of decode rows only, read in place (one group, no gathered keys)."""
-        return len(batch.groups) == 1 and batch.groups[0].q_len == 1 and batch.groups[0].kv_slots is None
+        """True for a step this graph runs: at most one group of decode rows read in place and
+        at most one group of prefill rows over gathered keys (every step the engine plans
+        outside deterministic mode)."""
+        kinds = [_kind(group) for group in batch.groups]
+        return len(kinds) == len(set(kinds)) and None not in kinds
 
     @torch.no_grad()
     def __call__(self, token_ids: Tensor, positions: Tensor, sample_rows: Tensor, batch: PagedBatch) -> Tensor:
-        """Logits ``[len(sample_rows), vocab]`` (model dtype) of the decode step ``batch``."""
+        """Logits ``[len(sample_rows), vocab]`` (model dtype) of the step ``batch``."""
         tokens, sampled = token_ids.shape[0], sample_rows.shape[0]
         rows = padded_rows(tokens)  # the packed linears' bucket: one oneDNN kernel per bucket
         token_ids = F.pad(token_ids, (0, rows - tokens))
@@ -109,15 +112,16 @@ class CompiledDecodeStep:
         half = self.shape.head_dim // 2
         cos = cos[0, :, None]
         sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)[:, None]
-        group = batch.groups[0]
-        step_inputs = (token_ids, cos, sin, batch.slots, sample_rows, *_plan(group))
+        step_inputs = [token_ids, cos, sin, batch.slots, sample_rows]
         for t in step_inputs:
             torch._dynamo.maybe_mark_dynamic(t, 0)
-        torch._dynamo.maybe_mark_dynamic(group.block_table, 1)
-        program = _program(self.shape)
+        plan: list[Tensor] = []
+        for group in batch.groups:
+            plan.extend(_decode_plan(group) if _kind(group) == "decode" else _prefill_plan(group))
+        program = _program(self.shape, tuple((_kind(g), g.q_block, g.kv_block) for g in batch.groups))
         self.steps_run += 1
         logits = call_compiled(program, self.decoder.embed, self.layer_weights, self.layer_pools, self.head,
-                               *step_inputs, group.page_to_logical)
+                               *step_inputs, *plan)
         return logits[:sampled]
 
 
@@ -125,16 +129,44 @@ def _weight_and_bias(linear: PackedLinear) -> tuple[Tensor, Tensor | None]:
     return linear.weight, linear.bias
 
 
-def _plan(group: AttentionGroup) -> tuple[Tensor, ...]:
-    """The decode group's per-step tensors, rows first (all dynamic in their first dim)."""
-    return (group.kv_num_blocks, group.kv_indices, group.full_kv_num_blocks, group.full_kv_indices, group.row_seq,
-            group.block_table, group.q_start, group.seq_len, group.gather_index, group.scatter_rows,
-            group.scatter_tokens)
+def _kind(group: AttentionGroup) -> str | None:
+    if group.kv_slots is None:
+        return "decode" if group.q_len == 1 else None
+    return "prefill"
+
+
+def _decode_plan(group: AttentionGroup) -> list[Tensor]:
+    """A decode group's per-step tensors, marked dynamic where they vary between steps
+    (as :func:`flexpage.attention.flex._mark_dynamic_rows` does)."""
+    plan = [group.page_to_logical, group.kv_num_blocks, group.kv_indices, group.full_kv_num_blocks,
+            group.full_kv_indices, group.row_seq, group.block_table, group.q_start, group.seq_len,
+            group.gather_index, group.scatter_rows, group.scatter_tokens]
+    for t in plan[1:]:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    torch._dynamo.maybe_mark_dynamic(group.block_table, 1)  # pages per row grow with the longest sequence
+    return plan
+
+
+def _prefill_plan(group: AttentionGroup) -> list[Tensor]:
+    """A prefill group's per-step tensors (as :func:`flexpage.attention.flex._mark_dynamic_gathered`);
+    the query gather comes as ``[rows, query length]``, which gives the graph both sizes."""
+    gather = group.gather_index.view(group.rows, group.q_len)
+    plan = [group.kv_num_blocks, group.kv_indices, group.full_kv_num_blocks, group.full_kv_indices, group.row_seq,
+            group.q_start, group.seq_len, group.kv_start, group.kv_slots, gather, group.scatter_rows,
+            group.scatter_tokens]
+    for t, dims in zip(plan, ((0, 2), (0, 2, 3), (0, 2), (0, 2, 3), (0,), (0,), (0,), (0,), (0,), (0, 1), (0,), (0,))):
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(t, dim)
+    return plan
+
+
+_PLAN_SIZES = {"decode": 12, "prefill": 12}
 
 
 @functools.cache
-def _program(shape: _Shape) -> Callable[..., Tensor]:
-    """The compiled step for one model shape (shared by every runner of that shape)."""
+def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callable[..., Tensor]:
+    """The compiled step for one model shape and one set of attention groups ((kind, query
+    block, key block) each), shared by every runner of that shape."""
     heads, kv_heads, dim = shape.heads, shape.kv_heads, shape.head_dim
     group_size = heads // kv_heads
     kernel_options = dict(shape.kernel_options)
@@ -146,6 +178,37 @@ def _program(shape: _Shape) -> Callable[..., Tensor]:
 
     def norm(x: Tensor, weight: Tensor) -> Tensor:  # as CompactDecoder._norm
         return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=shape.eps).to(x.dtype)
+
+    def decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_to_logical: Tensor, kv_num_blocks: Tensor,
+                         kv_indices: Tensor, full_kv_num_blocks: Tensor, full_kv_indices: Tensor, row_seq: Tensor,
+                         block_table: Tensor, q_start: Tensor, seq_len: Tensor, gather_index: Tensor,
+                         scatter_rows: Tensor, scatter_tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Decode rows over the pool in place, query heads packed into rows per kv head (as
+        FlexRunner's decode path); returns (outputs of the real rows, their token indices)."""
+        rows = gather_index.shape[0]
+        q = q.index_select(0, gather_index).view(rows, kv_heads, group_size, dim)
+        out = _group_attention(
+            q, k_pool, v_pool, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, row_seq,
+            block_table, q_start, seq_len, page_to_logical, shape.recipe, shape.page_size, shape.pages_per_block,
+            1, group_size, True, shape.scale, kernel_options,
+        )
+        return out.reshape(rows, heads * dim).index_select(0, scatter_rows), scatter_tokens
+
+    def prefill_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, q_block: int, kv_block: int,
+                          kv_num_blocks: Tensor, kv_indices: Tensor, full_kv_num_blocks: Tensor,
+                          full_kv_indices: Tensor, row_seq: Tensor, q_start: Tensor, seq_len: Tensor, kv_start: Tensor,
+                          kv_slots: Tensor, gather_index: Tensor, scatter_rows: Tensor,
+                          scatter_tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Prefill rows over a gathered copy of their keys (as FlexRunner's prefill path)."""
+        rows, q_len = gather_index.shape
+        q = q.index_select(0, gather_index.flatten()).view(rows, q_len, heads, dim).transpose(1, 2)
+        k = k_pool[0].index_select(1, kv_slots)[None]
+        v = v_pool[0].index_select(1, kv_slots)[None]
+        out = _gathered_group_attention(
+            q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, row_seq, q_start, seq_len,
+            kv_start, shape.recipe, q_block, kv_block, shape.scale, kernel_options,
+        )
+        return out.transpose(1, 2).reshape(rows * q_len, heads * dim).index_select(0, scatter_rows), scatter_tokens
 
     @torch.compiler.nested_compile_region
     def attention_inputs(hidden: Tensor, cos: Tensor, sin: Tensor, input_norm: Tensor, qkv_w: Tensor,
@@ -163,19 +226,17 @@ def _program(shape: _Shape) -> Callable[..., Tensor]:
     @torch.compiler.nested_compile_region
     def attention_and_mlp(hidden: Tensor, q: Tensor, k_pool: Tensor, v_pool: Tensor, o_w: Tensor,
                           o_b: Tensor | None, post_norm: Tensor, gate_up_w: Tensor, gate_up_b: Tensor | None,
-                          down_w: Tensor, down_b: Tensor | None, kv_num_blocks: Tensor, kv_indices: Tensor,
-                          full_kv_num_blocks: Tensor, full_kv_indices: Tensor, row_seq: Tensor, block_table: Tensor,
-                          q_start: Tensor, seq_len: Tensor, gather_index: Tensor, scatter_rows: Tensor,
-                          scatter_tokens: Tensor, page_to_logical: Tensor) -> Tensor:
-        rows, group_rows = hidden.shape[0], gather_index.shape[0]
-        # query heads packed into rows per kv head, as FlexRunner's decode path does
-        q = q.index_select(0, gather_index).view(group_rows, kv_heads, group_size, dim)
-        out = _group_attention(
-            q, k_pool, v_pool, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, row_seq,
-            block_table, q_start, seq_len, page_to_logical, shape.recipe, shape.page_size, shape.pages_per_block,
-            1, group_size, True, shape.scale, kernel_options,
-        ).reshape(group_rows, heads * dim)
-        out = out.new_zeros(rows, heads * dim).index_copy(0, scatter_tokens, out.index_select(0, scatter_rows))
+                          down_w: Tensor, down_b: Tensor | None, *plan: Tensor) -> Tensor:
+        out = hidden.new_zeros(hidden.shape[0], heads * dim)  # padding rows attend to nothing
+        start = 0
+        for kind, q_block, kv_block in groups:
+            group_plan = plan[start:start + _PLAN_SIZES[kind]]
+            start += _PLAN_SIZES[kind]
+            if kind == "decode":
+                rows_out, tokens = decode_attention(q, k_pool, v_pool, *group_plan)
+            else:
+                rows_out, tokens = prefill_attention(q, k_pool, v_pool, q_block, kv_block, *group_plan)
+            out = out.index_copy(0, tokens, rows_out)
         hidden = hidden + linear(out, o_w, o_b)
         gate, up = linear(norm(hidden, post_norm), gate_up_w, gate_up_b).chunk(2, -1)
         return hidden + linear(F.silu(gate) * up, down_w, down_b)

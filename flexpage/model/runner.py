@@ -50,7 +50,7 @@ from flexpage.attention.recipe import Recipe
 from flexpage.config import MODEL_IMPLS
 from flexpage.core.layer_groups import LayerGroup, plan_layer_groups
 from flexpage.model.compact import CompactDecoder, supports
-from flexpage.model.compiled_step import CompiledDecodeStep
+from flexpage.model.compiled_step import CompiledStep
 from flexpage.model.layer_recipes import model_recipes, recipe_for
 from flexpage.model.packed_linear import tiled_rows
 
@@ -189,7 +189,7 @@ class ModelRunner:
         activations and the LM head's softmax already work row by row.
 
         ``compile_step``: decode-only steps of the compact forward run as one compiled graph
-        (:class:`~flexpage.model.compiled_step.CompiledDecodeStep`) where it applies: compiled,
+        (:class:`~flexpage.model.compiled_step.CompiledStep`) where it applies: compiled,
         not deterministic, on the CPU, one layer group and one recipe for every layer.
         """
         if model_impl not in MODEL_IMPLS:
@@ -239,7 +239,7 @@ class ModelRunner:
         )
         self.compile = compile
         self.compiled_step = (
-            CompiledDecodeStep(self.compact, self.layer_recipes[0], self.pool, blocks_per_attention_block)
+            CompiledStep(self.compact, self.layer_recipes[0], self.pool, blocks_per_attention_block)
             if compile_step and compile and not deterministic and self.compact is not None
             and self.pool.device.type == "cpu" and len(self.layer_groups) == 1 and len(set(self.layer_recipes)) == 1
             and torch_patches.install().active else None
