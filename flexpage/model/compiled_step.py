@@ -112,7 +112,9 @@ class CompiledStep:
         half = self.shape.head_dim // 2
         cos = cos[0, :, None]
         sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)[:, None]
-        step_inputs = [token_ids, cos, sin, batch.slots, sample_rows]
+        # the K/V rows to write and their slots, at least two (a lone token's written twice)
+        kv_rows = _at_least_two(torch.arange(tokens))
+        step_inputs = [token_ids, cos, sin, _at_least_two(batch.slots), kv_rows, sample_rows]
         for t in step_inputs:
             torch._dynamo.maybe_mark_dynamic(t, 0)
         plan: list[Tensor] = []
@@ -135,25 +137,62 @@ def _kind(group: AttentionGroup) -> str | None:
     return "prefill"
 
 
+# Every per-step size the graph sees is at least 2: Dynamo specialises sizes of 1, and each
+# specialisation is one more graph to compile (~20 s each on 2 cores). Groups are padded with
+# rows that attend to nothing (as bucketing pads them), prefill groups to two query blocks,
+# and index lists of one entry repeat it (index_copy of equal values).
+_MIN_SIZE = 2
+
+
+def _pad_to(t: Tensor, dim: int, size: int) -> Tensor:
+    """``t`` zero-padded along ``dim`` to ``size``."""
+    missing = size - t.shape[dim]
+    if missing <= 0:
+        return t
+    pad = [0, 0] * (t.dim() - 1 - dim) + [0, missing]
+    return F.pad(t, pad)
+
+
+def _standard_strides(t: Tensor) -> Tensor:
+    """``t`` with row-major strides, also along its dims of size 1 (numpy and ``F.pad`` give
+    those different strides, and the graph's guards check them: one more graph each)."""
+    return t.clone(memory_format=torch.contiguous_format) if t.dim() > 2 else t
+
+
+def _at_least_two(index: Tensor) -> Tensor:
+    """An index list of one entry as two copies of it (index_copy of equal values)."""
+    return index.repeat(_MIN_SIZE) if index.shape[0] == 1 else index
+
+
 def _decode_plan(group: AttentionGroup) -> list[Tensor]:
     """A decode group's per-step tensors, marked dynamic where they vary between steps
     (as :func:`flexpage.attention.flex._mark_dynamic_rows` does)."""
-    plan = [group.page_to_logical, group.kv_num_blocks, group.kv_indices, group.full_kv_num_blocks,
-            group.full_kv_indices, group.row_seq, group.block_table, group.q_start, group.seq_len,
-            group.gather_index, group.scatter_rows, group.scatter_tokens]
+    rows = max(group.rows, _MIN_SIZE)
+    row_tensors = [_standard_strides(_pad_to(t, 0, rows)) for t in (
+        group.kv_num_blocks, group.kv_indices, group.full_kv_num_blocks, group.full_kv_indices, group.row_seq,
+        group.block_table, group.q_start, group.seq_len, group.gather_index)]
+    scatter_rows, scatter_tokens = _at_least_two(group.scatter_rows), _at_least_two(group.scatter_tokens)
+    plan = [group.page_to_logical, *row_tensors, scatter_rows, scatter_tokens]
     for t in plan[1:]:
         torch._dynamo.maybe_mark_dynamic(t, 0)
-    torch._dynamo.maybe_mark_dynamic(group.block_table, 1)  # pages per row grow with the longest sequence
+    torch._dynamo.maybe_mark_dynamic(plan[6], 1)  # the block table: pages per row grow with the longest sequence
     return plan
 
 
 def _prefill_plan(group: AttentionGroup) -> list[Tensor]:
     """A prefill group's per-step tensors (as :func:`flexpage.attention.flex._mark_dynamic_gathered`);
     the query gather comes as ``[rows, query length]``, which gives the graph both sizes."""
-    gather = group.gather_index.view(group.rows, group.q_len)
-    plan = [group.kv_num_blocks, group.kv_indices, group.full_kv_num_blocks, group.full_kv_indices, group.row_seq,
-            group.q_start, group.seq_len, group.kv_start, group.kv_slots, gather, group.scatter_rows,
-            group.scatter_tokens]
+    rows = max(group.rows, _MIN_SIZE)
+    q_len = max(group.q_len, _MIN_SIZE * group.q_block)
+    q_blocks = q_len // group.q_block
+    blocks = [_standard_strides(_pad_to(_pad_to(t, 2, q_blocks), 0, rows)) for t in (
+        group.kv_num_blocks, group.kv_indices, group.full_kv_num_blocks, group.full_kv_indices)]
+    per_row = [_pad_to(t, 0, rows) for t in (group.row_seq, group.q_start, group.seq_len, group.kv_start)]
+    gather = _pad_to(_pad_to(group.gather_index.view(group.rows, group.q_len), 1, q_len), 0, rows)
+    # scatter_rows count in the flattened [rows, query length] gather: renumber for the new length
+    scatter_rows = group.scatter_rows // group.q_len * q_len + group.scatter_rows % group.q_len
+    plan = [*blocks, *per_row, group.kv_slots, gather, _at_least_two(scatter_rows),
+            _at_least_two(group.scatter_tokens)]
     for t, dims in zip(plan, ((0, 2), (0, 2, 3), (0, 2), (0, 2, 3), (0,), (0,), (0,), (0,), (0,), (0, 1), (0,), (0,))):
         for dim in dims:
             torch._dynamo.maybe_mark_dynamic(t, dim)
@@ -242,15 +281,14 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
         return hidden + linear(F.silu(gate) * up, down_w, down_b)
 
     def forward(embed: Tensor, layer_weights: tuple, layer_pools: tuple, head: tuple, token_ids: Tensor,
-                cos: Tensor, sin: Tensor, slots: Tensor, sample_rows: Tensor, *plan: Tensor) -> Tensor:
-        tokens = slots.shape[0]
+                cos: Tensor, sin: Tensor, slots: Tensor, kv_rows: Tensor, sample_rows: Tensor, *plan: Tensor) -> Tensor:
         hidden = F.embedding(token_ids, embed)
         for weights, (k_pool, v_pool) in zip(layer_weights, layer_pools):
             input_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_norm, gu_w, gu_b, down_w, down_b = weights
             q, k, v = attention_inputs(hidden, cos, sin, input_norm, qkv_w, qkv_b, q_norm, k_norm)
             # in place, on tensors that alias nothing else in the graph (see the module docstring)
-            k_pool.index_copy_(2, slots, k[:tokens].transpose(0, 1)[None])
-            v_pool.index_copy_(2, slots, v[:tokens].transpose(0, 1)[None])
+            k_pool.index_copy_(2, slots, k.index_select(0, kv_rows).transpose(0, 1)[None])
+            v_pool.index_copy_(2, slots, v.index_select(0, kv_rows).transpose(0, 1)[None])
             hidden = attention_and_mlp(hidden, q, k_pool, v_pool, o_w, o_b, post_norm, gu_w, gu_b, down_w, down_b,
                                        *plan)
         final_norm, lm_w, lm_b = head
