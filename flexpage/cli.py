@@ -126,6 +126,8 @@ def serve(
     max_num_batched_tokens: int = typer.Option(1024, help="Tokens computed per step (chunked-prefill budget)."),
     dtype: str = typer.Option("auto", help="auto | bfloat16 | float16 | float32."),
     eager: bool = typer.Option(False, help="Run attention without torch.compile (no compile wait; slow, debugging)."),
+    no_compile_step: bool = typer.Option(False, "--no-compile-step", help="Run each step layer by layer instead of "
+                                         "as one compiled graph (Llama-family models; comparison, debugging)."),
     model_impl: str = typer.Option("auto", help=MODEL_IMPL_HELP),
     recipe: Optional[list[str]] = typer.Option(None, help=RECIPE_HELP),
     deterministic: bool = typer.Option(False, "--deterministic", help=DETERMINISTIC_HELP),
@@ -158,7 +160,7 @@ def serve(
         kv_cache_memory=kv_cache_memory or "1GiB",
         num_blocks=num_blocks,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, eager=eager,
-        model_impl=model_impl, recipe=recipe_choice, deterministic=deterministic,
+        compile_step=not no_compile_step, model_impl=model_impl, recipe=recipe_choice, deterministic=deterministic,
         enable_prefix_caching=not no_prefix_caching, swap_space=swap_space, preemption_mode=preemption_mode,
         seed=seed, max_request_body=max_request_body, drain_timeout=drain_timeout, warmup=warmup,
         log_level=log_level,

@@ -66,8 +66,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     compile: bool = True
-    # decode steps of Llama-family models run as one compiled graph (flexpage.model.compiled_step);
-    # False: layer by layer, as prefill steps run (for comparison and debugging)
+    # steps of Llama-family models run as one compiled graph (flexpage.model.compiled_step);
+    # False: layer by layer (for comparison and debugging)
     compile_step: bool = True
     # how layers around attention run: "flexpage" (compact Llama-family forward),
     # "transformers" (HF's modules), "auto" (compact where the model has one); see ModelRunner

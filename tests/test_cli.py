@@ -128,5 +128,5 @@ def test_cli_and_server_defaults_match_the_engine_config():
         assert defaults["attention_block_size"] == engine.attention_block_size, command
         assert defaults["model_impl"] == engine.model_impl, command
     settings = ServeSettings()
-    assert (settings.block_size, settings.attention_block_size, settings.model_impl) == (
-        engine.block_size, engine.attention_block_size, engine.model_impl)
+    assert (settings.block_size, settings.attention_block_size, settings.model_impl, settings.compile_step) == (
+        engine.block_size, engine.attention_block_size, engine.model_impl, engine.compile_step)

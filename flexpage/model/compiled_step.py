@@ -1,29 +1,27 @@
-"""A whole decode step of a Llama-family model as one compiled graph.
+"""A whole step of a Llama-family model as one compiled graph.
 
-Why: layer by layer, a decode step is hundreds of small eager ops and 30 compiled attention
-calls, each crossing Dynamo's guards and AOTAutograd's wrappers (~150 us a call on the
-2-core test machine). Batch-48 SmolLM2 decode spent about a third of its time there. Here
-every layer -- norms, the packed projections, RoPE, the KV write into the pool, paged
-FlexAttention, the MLP -- and the final norm and LM head are traced into one
-``torch.compile`` graph: one guard check per step, elementwise ops fused by Inductor.
+Why: layer by layer, a step is hundreds of small eager ops and 30 compiled attention calls,
+each crossing Dynamo's guards and AOTAutograd's wrappers (~150 us a call on the 2-core test
+machine). Here every layer -- norms, the packed projections, RoPE, the KV write into the
+pool, paged FlexAttention, the MLP -- and the final norm and LM head over the sampled rows
+are traced into one ``torch.compile`` graph: one guard check per step, elementwise ops
+fused by Inductor. Decode rows read the pool in place and prefill rows a gathered copy of
+their keys, as in :class:`~flexpage.attention.flex.FlexRunner`; a step holds either or both.
 
-Two things make that graph cheap to build and to run:
+What makes the graph cheap to build and to run:
 
 * **One compiled layer.** A layer's two halves are ``torch.compiler.nested_compile_region``
-  functions: traced and compiled once, called for every layer (compiling 30 inlined layers
-  took 165 s on 2 cores; with the regions, 24 s).
+  functions: traced and compiled once, called for every layer (30 inlined layers took 165 s
+  to compile on 2 cores; with the regions, 24 s).
 * **KV written in place.** Each layer's K and V pools are tensors of their own storage
   (:meth:`flexpage.attention.kv_pool.KVPool.layer`), written with ``index_copy_`` in the graph:
   views of one shared storage made Inductor copy whole pools around every write.
-
-The packed oneDNN weights are graph inputs (one graph serves every layer), which Inductor
-lowers through :mod:`flexpage.attention._packed_linear_lowering`. Row counts are padded to the
-packed linears' buckets (:func:`~flexpage.model.packed_linear.padded_rows`) outside the graph,
-and the per-step sizes are dynamic, so a model gets two graphs: one-row steps (Dynamo
-specialises a size of 1) and the rest.
-
-Only decode-only steps take this path (``CompiledDecodeStep.accepts``): prefill steps are
-dominated by large matmuls and run layer by layer.
+* **Packed weights as inputs**, so that one graph serves every layer; Inductor lowers the
+  oneDNN call through :mod:`flexpage.attention._packed_linear_lowering`.
+* **Three graphs per model.** Token rows are padded to the packed linears' buckets
+  (:func:`~flexpage.model.packed_linear.padded_rows`) outside the graph, the per-step sizes
+  are dynamic and padded to at least 2 (Dynamo specialises a size of 1), and tensors keep
+  standard strides: one graph for prefill steps, one for decode steps, one for mixed steps.
 """
 
 from __future__ import annotations

@@ -188,7 +188,7 @@ class ModelRunner:
         one summation order per row (``build_paged_batch(deterministic=True)``); norms,
         activations and the LM head's softmax already work row by row.
 
-        ``compile_step``: decode-only steps of the compact forward run as one compiled graph
+        ``compile_step``: steps of the compact forward run as one compiled graph each
         (:class:`~flexpage.model.compiled_step.CompiledStep`) where it applies: compiled,
         not deterministic, on the CPU, one layer group and one recipe for every layer.
         """

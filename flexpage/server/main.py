@@ -41,6 +41,7 @@ class ServeSettings:
     max_num_batched_tokens: int = 1024
     dtype: str = "auto"
     eager: bool = False
+    compile_step: bool = True  # EngineConfig.compile_step
     model_impl: str = "auto"
     recipe: RecipeChoice = None  # see flexpage.model.layer_recipes; None: the model's own
     deterministic: bool = False  # EngineConfig.deterministic
@@ -80,6 +81,7 @@ def run_server(settings: ServeSettings) -> int:
         max_num_batched_tokens=settings.max_num_batched_tokens, enable_prefix_caching=settings.enable_prefix_caching,
         preemption_mode=settings.preemption_mode, compile=not settings.eager, model_impl=settings.model_impl,
         seed=settings.seed, recipe=settings.recipe, deterministic=settings.deterministic,
+        compile_step=settings.compile_step,
     )
     timings = {"load": 0.0, "warm-up": 0.0}
 
@@ -162,7 +164,7 @@ def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str
                                                               else "  (--recipe)"))
     table.add_row("layers", "flexpage compact forward (fused, pre-packed projections)" if engine.runner.compact
                   else "HF transformers modules")
-    table.add_row("decode step", "one compiled graph (2 variants: batch 1, batch 2+)" if engine.runner.compiled_step
+    table.add_row("step", "one compiled graph (3 variants: prefill, decode, mixed)" if engine.runner.compiled_step
                   else "layer by layer")
     table.add_row("API key", "required" if settings.api_key else "none (open)")
     table.add_row("startup", f"load {load_s:.1f} s, warm-up {warm_s:.1f} s")
