@@ -106,3 +106,21 @@ def test_the_compiled_step_is_off_where_it_does_not_apply(tiny_model):
                     dict(compile=True, deterministic=True)):
         runner = ModelRunner(model, num_blocks=16, block_size=8, **options)
         assert runner.compiled_step is None, options
+
+
+def test_compiled_graphs_are_kept_under_the_flexpage_cache_unless_the_user_chose_a_place(tmp_path):
+    """Inductor's default cache is a temp directory a reboot clears; a second start should load
+    the compiled step, not compile it again."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, flexpage; print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["HOME"] = str(tmp_path)
+    run = [sys.executable, "-c", code]
+    chosen = subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout.split()[-1]
+    assert chosen == str(tmp_path / ".cache" / "flexpage" / "inductor")
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "mine")
+    assert subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout.split()[-1] == str(
+        tmp_path / "mine")
