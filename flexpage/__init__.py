@@ -3,7 +3,7 @@
 ``import flexpage`` registers ``attn_implementation="flexpage"`` with HF transformers, and
 unless ``$TORCHINDUCTOR_CACHE_DIR`` is set, points it at ``~/.cache/flexpage/inductor``:
 Inductor's default is a temp directory that a reboot clears, and a second start should load
-its compiled graphs (SmolLM2's warm-up: ~20 s instead of ~100 s on 2 cores). It must happen
+its compiled graphs (SmolLM2's warm-up: ~10 s instead of ~100 s on 2 cores). It must happen
 before anything calls ``torch.compile``, which fixes the directory (flexpage's own modules do
 at import). A process that compiled before importing flexpage keeps its directory.
 """

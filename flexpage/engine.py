@@ -208,6 +208,9 @@ class LLMEngine:
         the seconds it took. Needs an idle engine; leaves it idle with an empty
         prefix cache (every block back in the pool).
 
+        With the compiled step (``runner.compiled_step``) that is three graphs: one prefill,
+        one decode and one mixed step build them. Otherwise, layer by layer:
+
         The compiled kernel specialises on the prefill query block and on one-row groups, so
         every length bucket runs once alone and once as a pair (each also decodes a token alone
         and in a pair), with and without a shared prefix. Compiled code is cached on disk
@@ -222,6 +225,16 @@ class LLMEngine:
         def ids(first: int, count: int) -> list[int]:  # distinct token ids, valid for any vocabulary
             return [(first + j) % self.vocab_size for j in range(count)]
 
+        if self.runner.compiled_step is not None:  # three graphs: a prefill, a decode and a mixed step
+            params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+            self.add_request({"prompt_token_ids": ids(10, 5)}, params, "warmup-0")
+            self.add_request({"prompt_token_ids": ids(20, 40)}, params, "warmup-1")
+            self.step()
+            self.step()
+            self.add_request({"prompt_token_ids": ids(100, 30)}, params, "warmup-2")
+            self._run_to_completion()
+            self.block_manager.reset_prefix_cache()
+            return time.perf_counter() - start
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         batches = [[n] for n in _WARMUP_LENGTHS] + [[n, n] for n in _WARMUP_LENGTHS] + [[5, 23, 40]]
         for b, lengths in enumerate(batches):
