@@ -80,7 +80,6 @@ class CompiledStep:
             page_size=pool.block_size, pages_per_block=pages_per_block, recipe=recipe,
             kernel_options=tuple(sorted(options.items())),
         )
-        self.pool = pool
         self.layer_weights = tuple(
             (layer.input_norm, *_weight_and_bias(layer.qkv), layer.q_norm, layer.k_norm, *_weight_and_bias(layer.o),
              layer.post_norm, *_weight_and_bias(layer.gate_up), *_weight_and_bias(layer.down))
