@@ -123,10 +123,8 @@ class CompactDecoder:
         """Logits ``[len(sample_rows), vocab]`` (model dtype) of a flat batch ``token_ids [T]``
         at logical ``positions [T]``; ``attend`` writes/reads the KV cache of each layer."""
         hidden = F.embedding(token_ids, self.embed)  # [T, hidden]
-        cos, sin = self.rotary(hidden, positions[None])  # [1, T, D], model dtype
+        cos, sin = self.rope_tables(positions)
         half = self.head_dim // 2
-        cos = cos[0, :, None]
-        sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)[:, None]
         tokens, heads, kv_heads, dim = token_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(self._norm(hidden, layer.input_norm))
@@ -141,10 +139,20 @@ class CompactDecoder:
             hidden = hidden + layer.down(F.silu(gate) * up)
         return self.lm_head(self._norm(hidden[sample_rows], self.final_norm))
 
+    def rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """``cos, sin`` ``[T, 1, D]`` (model dtype) for ``x*cos + roll(x, D/2)*sin`` at ``positions``:
+        ``sin``'s first half is negated, which makes the roll HF's ``rotate_half``."""
+        cos, sin = self.rotary(self.embed[:1], positions[None])  # [1, T, D]; the tensor gives dtype and device
+        half = self.head_dim // 2
+        return cos[0, :, None], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)[:, None]
+
     def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
-        """HF's LlamaRMSNorm: statistics in float32, the weight applied in the model dtype."""
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return weight * normed.to(x.dtype)
+        return rms_norm(x, weight, self.eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF's LlamaRMSNorm: statistics in float32, the weight applied in the model dtype."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def _fused(prepack: bool, row_tile: int | None, *linears: torch.nn.Linear) -> PackedLinear:

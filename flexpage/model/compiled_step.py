@@ -39,7 +39,7 @@ from flexpage.attention.flex import _gathered_group_attention, _group_attention,
 from flexpage.attention.kv_pool import KVPool
 from flexpage.attention.paging import AttentionGroup, PagedBatch
 from flexpage.attention.recipe import Recipe
-from flexpage.model.compact import CompactDecoder
+from flexpage.model.compact import CompactDecoder, rms_norm
 from flexpage.model.packed_linear import PackedLinear, padded_rows
 
 __all__ = ["CompiledStep"]
@@ -105,10 +105,7 @@ class CompiledStep:
         token_ids = F.pad(token_ids, (0, rows - tokens))
         positions = F.pad(positions, (0, rows - tokens))
         sample_rows = F.pad(sample_rows, (0, padded_rows(sampled) - sampled))
-        cos, sin = self.decoder.rotary(self.decoder.embed[:1], positions[None])  # [1, T, D], model dtype
-        half = self.shape.head_dim // 2
-        cos = cos[0, :, None]
-        sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)[:, None]
+        cos, sin = self.decoder.rope_tables(positions)
         # the K/V rows to write and their slots, at least two (a lone token's written twice)
         kv_rows = _at_least_two(torch.arange(tokens))
         step_inputs = [token_ids, cos, sin, _at_least_two(batch.slots), kv_rows, sample_rows]
@@ -212,8 +209,8 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
         return F.linear(x, weight, bias)
 
-    def norm(x: Tensor, weight: Tensor) -> Tensor:  # as CompactDecoder._norm
-        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=shape.eps).to(x.dtype)
+    def norm(x: Tensor, weight: Tensor) -> Tensor:
+        return rms_norm(x, weight, shape.eps)
 
     def decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_to_logical: Tensor, kv_num_blocks: Tensor,
                          kv_indices: Tensor, full_kv_num_blocks: Tensor, full_kv_indices: Tensor, row_seq: Tensor,
