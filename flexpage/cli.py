@@ -134,6 +134,11 @@ def serve(
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable KV reuse across requests."),
     swap_space: str = typer.Option("0", help="Host memory for preemption by swapping, e.g. 1GiB."),
     preemption_mode: str = typer.Option("recompute", help="recompute | swap (needs --swap-space)."),
+    kv_budget: Optional[int] = typer.Option(None, help="KV tokens each sequence keeps per layer (a multiple of "
+                                                       "--block-size, >= 3 blocks); whole blocks past it are evicted. "
+                                                       "Requests may set their own (kv_budget)."),
+    kv_eviction: str = typer.Option("paged_eviction", help="Which blocks go over the budget: paged_eviction | "
+                                                           "streaming_llm | key_norm | none | module:attr | file.py."),
     seed: int = typer.Option(0, help="Seed of the engine's shared RNG (unseeded requests)."),
     max_request_body: str = typer.Option("4MiB", help="Largest request body accepted; larger ones get 413."),
     drain_timeout: float = typer.Option(30.0, help="Seconds Ctrl-C waits for in-flight requests before aborting them."),
@@ -162,7 +167,8 @@ def serve(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, eager=eager,
         compile_step=not no_compile_step, model_impl=model_impl, recipe=recipe_choice, deterministic=deterministic,
         enable_prefix_caching=not no_prefix_caching, swap_space=swap_space, preemption_mode=preemption_mode,
-        seed=seed, max_request_body=max_request_body, drain_timeout=drain_timeout, warmup=warmup,
+        kv_budget_tokens=kv_budget, kv_eviction=kv_eviction, seed=seed, max_request_body=max_request_body,
+        drain_timeout=drain_timeout, warmup=warmup,
         log_level=log_level,
     )
     try:

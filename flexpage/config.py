@@ -41,6 +41,15 @@ def parse_size(text: str | int) -> int:
     return int(float(number) * scale)
 
 
+def check_kv_budget(name: str, budget: object, block_size: int) -> int:
+    """A KV budget in tokens: an int, a multiple of ``block_size`` and at least 3 blocks (the
+    first block, the newest and one more are kept whatever the policy)."""
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 3 * block_size or budget % block_size:
+        raise ValueError(f"{name}: got {budget!r}, expected a multiple of the block size ({block_size}) "
+                         f"of at least 3 blocks ({3 * block_size} tokens)")
+    return budget
+
+
 #: ``EngineConfig.model_impl`` values (vLLM's ``--model-impl``)
 MODEL_IMPLS = ("auto", "flexpage", "transformers")
 
@@ -81,6 +90,13 @@ class EngineConfig:
     # prompt is chunked, with or without a prefix-cache hit (vLLM's VLLM_BATCH_INVARIANT);
     # costs throughput: see ModelRunner and docs/deterministic.md
     deterministic: bool = False
+    # KV tokens each sequence keeps per layer once its prompt is computed (PagedEviction: whole
+    # blocks go, never the first or the newest); None keeps everything. A request's
+    # SamplingParams.kv_budget overrides it. See flexpage.core.eviction and docs/kv-budget.md
+    kv_budget_tokens: int | None = None
+    # which blocks go: a policy name (flexpage.model.kv_eviction.EVICTION_POLICIES),
+    # "module:attr" / "file.py[:attr]", or an EvictionPolicy
+    kv_eviction: Any = "paged_eviction"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "attention_block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -106,6 +122,11 @@ class EngineConfig:
                 raise ValueError(f"{name}: got {getattr(self, name)!r}, expected True or False")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl: got {self.model_impl!r}, expected one of {MODEL_IMPLS}")
+        if self.kv_budget_tokens is not None:
+            check_kv_budget("kv_budget_tokens", self.kv_budget_tokens, self.block_size)
+            if self.deterministic:
+                raise ValueError("kv_budget_tokens: KV budgets are not available in deterministic mode "
+                                 "(its decode rows read gathered keys, which cannot skip evicted blocks)")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode: got {self.preemption_mode!r}, expected 'recompute' or 'swap'")
 

@@ -16,18 +16,19 @@ from typing import Any, Union
 
 import torch
 
-from flexpage.config import EngineConfig, parse_size
+from flexpage.config import EngineConfig, check_kv_budget, parse_size
 from flexpage.core.block_manager import BlockManager
 from flexpage.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from flexpage.core.sequence import Sequence, SequenceStatus
 from flexpage.errors import InvalidParameter
 from flexpage.model.detokenizer import IncrementalDetokenizer
+from flexpage.model.kv_eviction import block_scores, resolve_eviction_policy
 from flexpage.model.dtypes import default_dtype, parse_dtype
 from flexpage.model.loader import load_hf_model, load_tokenizer, resolve_model_path
 from flexpage.model.layer_recipes import engine_recipes
 from flexpage.model.runner import ModelRunner, StepInputs, layer_groups_for
 from flexpage.model.sampler import TokenHistory, make_generator, sample
-from flexpage.outputs import CompletionOutput, Logprob, RequestOutput
+from flexpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from flexpage.sampling_params import SamplingParams
 
 PromptInput = Union[str, list[int], dict[str, Any]]
@@ -59,14 +60,19 @@ class Request:
     generators: list[torch.Generator | None] = field(default_factory=list)
     num_cached_tokens: int = 0
     first_token_time: float | None = None
+    kv_budget: int | None = None
+    block_size: int = 0
 
     @property
     def finished(self) -> bool:
         return len(self.outputs) == self.params.n and all(o.finished for o in self.outputs)
 
     def to_output(self) -> RequestOutput:
+        evicted = sum(seq.num_evicted_blocks for seq in self.seqs)
+        metrics = RequestMetrics(self.arrival_time, self.first_token_time, self.kv_budget, evicted,
+                                 evicted * self.block_size)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, list(self.outputs),
-                             self.finished, self.num_cached_tokens)
+                             self.finished, self.num_cached_tokens, metrics)
 
 
 class LLMEngine:
@@ -88,6 +94,8 @@ class LLMEngine:
         self.recipes = engine_recipes(config.recipe, model.config)
         # one block holds one layer group's layers (all layers unless windowed and full layers mix)
         self.layer_groups = layer_groups_for(self.recipes)
+        #: which blocks a sequence over its KV budget gives up (see flexpage.core.eviction)
+        self.eviction_policy = resolve_eviction_policy(config.kv_eviction)
         bytes_per_block = _kv_bytes_per_token(text_config, dtype, len(self.layer_groups[0].layers)) * config.block_size
         num_blocks = config.num_blocks or max(2, parse_size(config.kv_cache_memory) // bytes_per_block)
         compile = config.compile and os.environ.get("FLEXPAGE_COMPILE", "1") != "0"
@@ -143,14 +151,31 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         if request_id in self.requests:
             raise InvalidParameter("request_id", f"request_id: {request_id!r} is already in flight")
-        request = Request(request_id, text, token_ids, params, time.monotonic())
+        kv_budget = self._kv_budget(params)
+        request = Request(request_id, text, token_ids, params, time.monotonic(), kv_budget=kv_budget,
+                          block_size=self.config.block_size)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
-        seq = Sequence(next(self._seq_ids), token_ids, max_tokens=max_tokens, request=request, num_samples=params.n)
+        seq = Sequence(next(self._seq_ids), token_ids, max_tokens=max_tokens, request=request, num_samples=params.n,
+                       kv_budget=kv_budget)
         self.scheduler.add(seq)
         self._attach_sample(request, seq)
         self.requests[request_id] = request
         self.counters["prompt_tokens"] += len(token_ids)
         return request_id
+
+    def _kv_budget(self, params: SamplingParams) -> int | None:
+        """The request's KV budget in tokens, checked against the block size; None: keep all."""
+        if params.kv_budget is None:
+            budget = self.config.kv_budget_tokens
+        else:
+            if self.config.deterministic:
+                raise InvalidParameter("kv_budget", "kv_budget: not available in deterministic mode (its decode "
+                                       "rows read gathered keys, which cannot skip evicted blocks)")
+            try:
+                budget = check_kv_budget("kv_budget", params.kv_budget, self.config.block_size)
+            except ValueError as error:
+                raise InvalidParameter("kv_budget", str(error)) from None
+        return budget if self.eviction_policy.token_scores is not None else None
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -322,9 +347,32 @@ class LLMEngine:
             logits = self.runner.execute(inputs)
         except Exception as error:
             raise _ForwardFailed from error
-        self.scheduler.mark_computed(sched)
+        self._score_full_blocks(sched)
+        self.scheduler.mark_computed(sched)  # sequences over their KV budget evict blocks here
+        relocations = self.block_manager.take_relocations()
+        if relocations:
+            self.runner.apply_block_moves([], [], relocations)
         if sampled:
             self._sample(logits, sampled, touched)
+
+    def _score_full_blocks(self, sched: SchedulerOutput) -> None:
+        """Score, with the eviction policy, the blocks of budgeted sequences this step filled."""
+        bm, bs = self.block_manager, self.config.block_size
+        for item in sched.scheduled:
+            blocks = bm.blocks_to_score(item.seq, item.num_new_tokens)
+            if not blocks:
+                continue
+            tables = bm.block_tables(item.seq)
+            # a block's score reads every layer group that still holds it (a sliding group may not)
+            holding = [table for table in tables if all(table[i] != bm.null_block_id for i in blocks)]
+            if holding:
+                scores = block_scores(self.runner.pool, self.eviction_policy,
+                                      [[table[i] for i in blocks] for table in holding], [i * bs for i in blocks])
+            else:
+                scores = [block_scores(self.runner.pool, self.eviction_policy,
+                                       [[table[i]] for table in tables if table[i] != bm.null_block_id], [i * bs])[0]
+                          for i in blocks]
+            bm.record_block_scores(item.seq, dict(zip(blocks, scores)))
 
     def _run_alone(self, item: Any, touched: dict[str, Request]) -> None:
         """Run one scheduled sequence of a step whose batched forward pass failed."""
@@ -462,6 +510,8 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             "swapped_blocks": blocks.host_used,
             "released_window_blocks": blocks.released_window_blocks,
+            "kv_evicted_blocks": blocks.evicted_budget_blocks,
+            "kv_evicted_tokens": blocks.evicted_budget_blocks * self.config.block_size,
             # a token takes a slot in every layer group (sliding groups give theirs back later)
             "kv_capacity_tokens": (blocks.total - 1) * self.config.block_size // len(self.layer_groups),
             **self.counters,

@@ -29,6 +29,17 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """What a request cost beyond its tokens (vLLM's ``RequestOutput.metrics``)."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    kv_budget: int | None = None  # KV tokens per layer each sample keeps (None: all)
+    evicted_blocks: int = 0  # logical blocks its samples gave up to the budget, summed over samples
+    evicted_tokens: int = 0  # the tokens in them
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -36,3 +47,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = None

@@ -85,6 +85,9 @@ class SamplingParams:
         logprobs: number of top logprobs to return per generated token, in [0, 20];
             0 returns only the sampled token's logprob; ``None`` returns nothing.
         skip_special_tokens: drop special tokens when detokenising.
+        kv_budget: KV tokens this request keeps per layer (the engine's eviction policy drops
+            whole blocks past it); ``None`` takes the engine's ``kv_budget_tokens``. The engine
+            checks it against its block size (a multiple, at least 3 blocks).
     """
 
     n: int = 1
@@ -103,6 +106,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    kv_budget: int | None = None
 
     def __post_init__(self) -> None:
         self.n = _require_int("n", self.n)
@@ -157,6 +161,11 @@ class SamplingParams:
 
         self.ignore_eos = _require_bool("ignore_eos", self.ignore_eos)
         self.skip_special_tokens = _require_bool("skip_special_tokens", self.skip_special_tokens)
+
+        if self.kv_budget is not None:
+            self.kv_budget = _require_int("kv_budget", self.kv_budget)
+            if self.kv_budget < 1:
+                raise InvalidParameter("kv_budget", f"kv_budget must be >= 1 or None, got {self.kv_budget!r}")
 
         if self.logprobs is not None:
             self.logprobs = _require_int("logprobs", self.logprobs)

@@ -480,19 +480,23 @@ class ShadowKV:
         for (_, d), blk in zip(pairs, data):
             dst[d] = blk
 
-    def write(self, tables: list[list[int]], seq: Sequence, start: int, n: int) -> None:
+    def write(self, tables: list[list[int]], seq: Sequence, start: int, n: int, pruned: object = None) -> None:
+        """``pruned``: the KV is computed over a context the sequence's KV budget pruned (tagged
+        with it, so that no other sequence may take it for the plain prefix's KV)."""
         for table in tables:  # every layer group computes the new positions
             for p in range(start, start + n):
                 assert table[p // self.bs] != 0, (seq, p)
-                self._blk(self.dev, table[p // self.bs])[p % self.bs] = tuple(seq.token_ids[: p + 1])
+                prefix = tuple(seq.token_ids[: p + 1])
+                self._blk(self.dev, table[p // self.bs])[p % self.bs] = prefix if pruned is None else (pruned, prefix)
 
-    def check(self, tables: list[list[int]], seq: Sequence) -> None:
+    def check(self, tables: list[list[int]], seq: Sequence, pruned: object = None) -> None:
         for table in tables:
             for p in range(seq.num_computed_tokens):
-                if table[p // self.bs] == 0:  # released by a sliding group: nobody reads it again
+                if table[p // self.bs] == 0:  # released by a sliding group or evicted: nobody reads it again
                     continue
                 got = self._blk(self.dev, table[p // self.bs])[p % self.bs]
-                assert got == tuple(seq.token_ids[: p + 1]), (seq, p)
+                prefix = tuple(seq.token_ids[: p + 1])
+                assert got == prefix or (pruned is not None and got == (pruned, prefix)), (seq, p, got)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -500,6 +504,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     run_length = 1
     group_windows: tuple[int | None, ...] = (None,)
     num_blocks = 9
+    kv_budget: int | None = None  # tokens, given to every other new sequence
 
     def __init__(self) -> None:
         super().__init__()
@@ -522,8 +527,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for p in range(start, start + n):  # the runner only ever writes exclusively owned blocks
                 block = table[p // self.bs]
                 assert self.bm.pool.ref_count(block) == 1 and self.bm.pool.block_hash(block) is None
-        self.kv.write(self.bm.block_tables(seq), seq, start, n)
+        self.kv.write(self.bm.block_tables(seq), seq, start, n, self._pruned(seq))
+        blocks = self.bm.blocks_to_score(seq, n)
+        assert seq.kv_budget is not None or not blocks
+        self.bm.record_block_scores(seq, {i: (seq.seq_id * 31 + i * 17) % 7 for i in blocks})
         seq.num_computed_tokens = self.bm.mark_computed(seq, n)
+        self.kv.copy(self.bm.take_relocations(), self.kv.dev, self.kv.dev)
+
+    def _pruned(self, seq: Sequence) -> object:
+        return ("pruned", self.family[seq.seq_id]) if self.bm.evicted_blocks(seq) else None
 
     @rule(
         prefix=st.sampled_from(PREFIXES),
@@ -531,7 +543,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         prefill=st.booleans(),
     )
     def add(self, prefix: list[int], suffix: list[int], prefill: bool) -> None:
-        seq = Sequence(self.next_id, (prefix + suffix) or [0])
+        budget = self.kv_budget if self.next_id % 2 else None
+        seq = Sequence(self.next_id, (prefix + suffix) or [0], kv_budget=budget)
         if not self.bm.can_allocate(seq):
             with pytest.raises(NoFreeBlocksError):
                 seq.num_computed_tokens = self.bm.allocate(seq)
@@ -637,17 +650,30 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for g, table in enumerate(self.bm.block_tables(s) if self.bm.block_table(s) else []):
                 dead = blocks_out_of_window(self.group_windows[g], self.bs, s.num_computed_tokens)
                 # released entries are exactly the leading pages no future query can see
-                assert table[:dead] == [0] * dead and 0 not in table[dead:], (g, s)
+                evicted = self.bm.evicted_blocks(s)
+                assert table[:dead] == [0] * dead, (g, s)
+                assert [i for i, b in enumerate(table[dead:], dead) if b == 0] == [i for i in evicted if i >= dead]
                 assert len(table) * self.bs >= s.num_computed_tokens
-                assert len(set(table[dead:])) == len(table) - dead
+                held = [b for b in table if b != 0]
+                assert len(set(held)) == len(held)
                 for i, b in enumerate(table[dead:], dead):
+                    if b == 0:  # evicted
+                        continue
                     if b in holders:  # shared: same group and position, same family or a hashed prefix block
                         grp, idx, fam = holders[b]
                         assert (grp, idx) == (g, i)
                         assert fam == self.family[s.seq_id] or bm.pool.block_hash(b) is not None
                     holders[b] = (g, i, self.family[s.seq_id])
             if self.bm.block_table(s):
-                self.kv.check(self.bm.block_tables(s), s)
+                self.kv.check(self.bm.block_tables(s), s, self._pruned(s))
+                tables = self.bm.block_tables(s)
+                if s.kv_budget is not None and s.num_computed_tokens == s.num_tokens:  # within budget
+                    kept = sum(any(t[i] != 0 for t in tables) for i in range(len(tables[0])))
+                    newest_full = s.num_computed_tokens % self.bs == 0
+                    assert kept <= s.kv_budget // self.bs - newest_full or not self.bm.evicted_blocks(s) and (
+                        kept <= s.kv_budget // self.bs)
+                if self.bm.evicted_blocks(s):  # the attention sink and the newest block stay
+                    assert 0 not in self.bm.evicted_blocks(s) and len(tables[0]) - 1 not in self.bm.evicted_blocks(s)
 
     def teardown(self) -> None:
         for seq in list(self.live.values()):
@@ -685,9 +711,32 @@ class HybridRunsMachine(BlockManagerMachine):
     prefix_caching = False
 
 
+class BudgetMachine(BlockManagerMachine):
+    """Every other sequence keeps at most 3 blocks once computed (PagedEviction's block rule)."""
+
+    kv_budget = 12
+    num_blocks = 13
+
+
+class BudgetRunsMachine(BlockManagerMachine):
+    """Budgets with runs of 4 blocks: kept pages get packed into runs (relocation copies)."""
+
+    kv_budget = 12
+    num_blocks = 25
+    run_length = 4
+
+
+class BudgetHybridMachine(BlockManagerMachine):
+    """Budgets in a model with a full and a sliding layer group."""
+
+    kv_budget = 16
+    group_windows = (None, 6)
+    num_blocks = 21
+
+
 _machine_settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 for _machine in (BlockManagerMachine, NoPrefixCacheMachine, RunsMachine, SlidingMachine, HybridMachine,
-                 HybridRunsMachine):
+                 HybridRunsMachine, BudgetMachine, BudgetRunsMachine, BudgetHybridMachine):
     _case = _machine.TestCase
     _case.settings = _machine_settings
     globals()[f"Test{_machine.__name__}"] = _case  # collected by pytest as TestBlockManagerMachine, ...

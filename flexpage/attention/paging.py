@@ -159,7 +159,7 @@ def build_paged_batch(
     # the plan is index arithmetic on small host arrays: numpy's per-op cost is a few times
     # lower than torch's, and the results are handed over as tensors without copies
     tables, seq_lens_n, query_lens_n = check_paging_inputs(block_tables, seq_lens, query_lens, page_size, num_pages,
-                                                     recipe)
+                                                           recipe, decode_rows_skip_null_pages=not deterministic)
     if tables.shape[1] == 1:  # one column would be one more compiled kernel (Dynamo specialises a size of 1)
         tables = np.pad(tables, ((0, 0), (0, 1)))
     starts = np.cumsum(query_lens_n) - query_lens_n

@@ -18,9 +18,15 @@ __all__ = ["check_paging_inputs"]
 
 def check_paging_inputs(
     block_tables: Tensor, seq_lens: Tensor, query_lens: Tensor, page_size: int, num_pages: int,
-    recipe: Recipe | None = None,
+    recipe: Recipe | None = None, *, decode_rows_skip_null_pages: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Validate the plan's inputs; returns them as int64 numpy arrays (tables, seq_lens, query_lens)."""
+    """Validate the plan's inputs; returns them as int64 numpy arrays (tables, seq_lens, query_lens).
+
+    ``decode_rows_skip_null_pages``: rows with one new token may hold the null page anywhere
+    before it -- blocks a KV budget evicted (see :mod:`flexpage.core.eviction`). True when
+    such rows read the pool in place, where the plan never lists a null page; rows that read
+    a gathered copy of their keys would see its zeros as keys.
+    """
     check_arg(block_tables.dim() == 2, "block_tables", tuple(block_tables.shape), "a 2-D [num_seqs, max_pages] tensor")
     num_seqs, width = block_tables.shape
     check_arg(not block_tables.is_floating_point(), "block_tables.dtype", block_tables.dtype, "an integer dtype")
@@ -48,18 +54,21 @@ def check_paging_inputs(
         kv_hi = kv_lo + page_size - 1
         # a released page (sliding window) is fine: nobody can see it and nothing is written there
         missing = kv_hi >= q_lo
+        evicted_ok = (query_lens_n[rows] == 1) & decode_rows_skip_null_pages
         if recipe is None:
             missing = np.ones_like(missing)
         else:
             may, _ = recipe.block_rule(*(torch.from_numpy(a) for a in (rows, q_lo, seq_lens_n[rows] - 1, kv_lo, kv_hi)))
-            missing = missing | np.broadcast_to(torch.as_tensor(may, dtype=torch.bool).numpy(), missing.shape)
+            visible = np.broadcast_to(torch.as_tensor(may, dtype=torch.bool).numpy(), missing.shape)
+            missing = missing | (visible & ~evicted_ok)
         bad = np.flatnonzero(missing)
         if bad.size:
             row, page = int(rows[bad[0]]), int(pages[bad[0]])
             raise ValueError(
                 f"block_tables: row {row} has seq_lens {int(seq_lens_n[row])}, which needs {int(needed[row])} pages, "
                 f"but its page {page} is the null page 0 (a sequence longer than its blocks; only pages "
-                "outside every query's window may be released)"
+                "outside every query's window may be released, and pages a KV budget evicted only from rows "
+                "that decode and read the pool in place)"
             )
     return tables, seq_lens_n, query_lens_n
 

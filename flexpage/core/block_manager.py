@@ -22,16 +22,27 @@ one :class:`BlockPool`. A sliding group's blocks that fall out of every query's 
 decref'd (free, or prefix-cached when full and hashed) and their entries become the null
 block 0. Host tables hold the live blocks only; swap-in restores the leading nulls from
 ``num_computed_tokens``.
+
+KV budgets (:mod:`flexpage.core.eviction`): a sequence with ``kv_budget`` evicts whole
+blocks once all its tokens are computed; the evicted entries become the null block in every
+group's table (the kept blocks keep their logical indices, hence their positions). The
+policy's scores arrive through :meth:`BlockManager.record_block_scores` for the blocks
+:meth:`BlockManager.blocks_to_score` names. An evicting sequence publishes no prefix-cache
+hash for blocks it completes after its first eviction (their KV saw a pruned context), and
+an evicted block that another sequence shares (prefix cache, fork) only loses this
+sequence's reference. Kept pages scattered over many of the kernel's key blocks are copied
+into whole runs (:meth:`BlockManager.take_relocations`).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flexpage.core.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool, NoFreeBlocksError
 from flexpage.core.block_stats import BlockStats
+from flexpage.core.eviction import blocks_to_evict, runs_are_scattered
 from flexpage.core.layer_groups import blocks_out_of_window, group_key, prefix_hit
 from flexpage.core.sequence import Sequence
 
@@ -53,6 +64,11 @@ class _Held:
 
     device: list[list[int]]  # device block ids; a sliding group's leading released entries are 0
     host: list[list[int]]  # host slot ids while swapped out (live blocks only)
+    evicted: set[int] = field(default_factory=set)  # logical blocks given up for the KV budget
+    scores: dict[int, float] = field(default_factory=dict)  # eviction policy's score per held block
+    scored_upto: int = 0  # every held full block below this index has a score
+    #: leading blocks this sequence may publish to the prefix cache; None: all (never evicted)
+    hash_limit: int | None = None
 
 
 class BlockManager:
@@ -93,6 +109,8 @@ class BlockManager:
         self._prefix_hits = 0
         self.group_windows = group_windows
         self.num_released_blocks = 0
+        self.num_evicted_blocks = 0  # table entries given up for KV budgets
+        self._relocations: list[tuple[int, int]] = []  # see take_relocations
         self._held: dict[int, _Held] = {}  # by seq_id; dropped by free()
 
     null_block_id = NULL_BLOCK_ID
@@ -154,6 +172,7 @@ class BlockManager:
             prefix_cache_hits=self._prefix_hits,
             evictions=self.pool.num_evictions,
             released_window_blocks=self.num_released_blocks,
+            evicted_budget_blocks=self.num_evicted_blocks,
         )
 
     def reset_prefix_cache(self) -> int:
@@ -293,15 +312,86 @@ class BlockManager:
         last = table[-1] if table else NULL_BLOCK_ID
         return self.pool.allocate(last if last != NULL_BLOCK_ID else None)
 
-    def _release_out_of_window(self, tables: list[list[int]], num_computed_tokens: int) -> None:
+    def _release_out_of_window(self, tables: list[list[int]], num_computed_tokens: int,
+                               evicted: set[int]) -> None:
         """Give back the leading blocks of sliding groups that no query can see any more."""
         for g, table in enumerate(tables):
             i = min(self._released(g, num_computed_tokens), len(table)) - 1
-            while i >= 0 and table[i] != NULL_BLOCK_ID:  # released entries form a leading run
-                self.pool.decref(table[i])
-                table[i] = NULL_BLOCK_ID
-                self.num_released_blocks += 1
+            # released entries form a leading run, with the budget's evicted holes inside it
+            while i >= 0 and (table[i] != NULL_BLOCK_ID or i in evicted):
+                if table[i] != NULL_BLOCK_ID:
+                    self.pool.decref(table[i])
+                    table[i] = NULL_BLOCK_ID
+                    self.num_released_blocks += 1
                 i -= 1
+
+    # -- KV budgets ------------------------------------------------------------------
+    def blocks_to_score(self, seq: Sequence, num_new_tokens: int) -> list[int]:
+        """Logical blocks of a sequence with a KV budget that are full once the next
+        ``num_new_tokens`` positions are computed and still lack a policy score."""
+        held = self._held.get(seq.seq_id)
+        if seq.kv_budget is None or held is None or not held.device[0]:
+            return []
+        new_full = min((seq.num_computed_tokens + num_new_tokens) // self.block_size, len(held.device[0]))
+        return [i for i in range(held.scored_upto, new_full)
+                if i not in held.evicted and any(table[i] != NULL_BLOCK_ID for table in held.device)]
+
+    def record_block_scores(self, seq: Sequence, scores: dict[int, float]) -> None:
+        """Store the eviction policy's scores for blocks :meth:`blocks_to_score` named."""
+        held = self._of(seq)
+        held.scores.update(scores)
+        if scores:
+            held.scored_upto = max(held.scored_upto, max(scores) + 1)
+
+    def evicted_blocks(self, seq: Sequence) -> list[int]:
+        """Logical blocks ``seq`` gave up to stay within its KV budget, ascending."""
+        held = self._held.get(seq.seq_id)
+        return sorted(held.evicted) if held is not None else []
+
+    def _evict_over_budget(self, seq: Sequence, held: _Held, num_computed: int) -> None:
+        width = len(held.device[0])
+        live = [i for i in range(width) if any(table[i] != NULL_BLOCK_ID for table in held.device)]
+        budget_blocks = seq.kv_budget // self.block_size  # type: ignore[operator]
+        victims = blocks_to_evict(live, held.scores, budget_blocks, num_computed % self.block_size == 0)
+        if not victims:
+            return
+        if held.hash_limit is None:
+            held.hash_limit = num_computed // self.block_size
+        for i in victims:
+            for table in held.device:
+                if table[i] != NULL_BLOCK_ID:
+                    self.pool.decref(table[i])
+                    table[i] = NULL_BLOCK_ID
+                    self.num_evicted_blocks += 1
+            held.evicted.add(i)
+            held.scores.pop(i, None)
+        for table in held.device:
+            self._pack_runs(table)
+
+    def _pack_runs(self, table: list[int]) -> None:
+        """Copy a table's unshared pages into whole runs when they are scattered over many more
+        of the kernel's key blocks than they fill (only if free blocks allow it)."""
+        held_pages = [b for b in table if b != NULL_BLOCK_ID]
+        if not runs_are_scattered(held_pages, self.pool.run_length):
+            return
+        movable = [i for i, b in enumerate(table) if b != NULL_BLOCK_ID and self.pool.ref_count(b) == 1]
+        if len(movable) > self.pool.num_free:  # packing is for speed: never evict cached blocks for it
+            return
+        sources, last = [], None
+        for i in movable:  # every destination first: none of them can be a source
+            last = self.pool.allocate(last)
+            sources.append(table[i])
+            self._relocations.append((table[i], last))
+            table[i] = last
+        for block_id in sources:
+            self.pool.decref(block_id)
+
+    def take_relocations(self) -> list[tuple[int, int]]:
+        """``(src, dst)`` device block copies that packing kept pages into runs made: apply them
+        (one batched gather-then-scatter) before anything else reads or reuses those blocks,
+        i.e. right after the step's :meth:`mark_computed` calls."""
+        moves, self._relocations = self._relocations, []
+        return moves
 
     def mark_computed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Record that the runner computed positions ``num_computed_tokens .. +num_new_tokens``.
@@ -322,14 +412,19 @@ class BlockManager:
             )
         if _cdiv(new_computed, self.block_size) > len(tables[0]):
             raise ValueError(f"sequence {seq.seq_id}: positions up to {new_computed} have no slots (append_slots first)")
+        held = self._of(seq)
         old_full = seq.num_computed_tokens // self.block_size
         new_full = new_computed // self.block_size
+        if held.hash_limit is not None:  # blocks completed after an eviction saw a pruned context
+            new_full = min(new_full, held.hash_limit)
         if self.enable_prefix_caching and new_full > old_full:
             hashes = self._hashes(seq, new_full)
             for g, table in enumerate(tables):
                 for i in range(old_full, new_full):  # never released yet: those lie below old_full
                     self.pool.set_hash(table[i], group_key(g, hashes[i]))
-        self._release_out_of_window(tables, new_computed)  # hashed first, so full released blocks stay cached
+        self._release_out_of_window(tables, new_computed, held.evicted)  # hashed first: released full blocks stay cached
+        if seq.kv_budget is not None and new_computed == seq.num_tokens:  # prompt done: only decodes from here
+            self._evict_over_budget(seq, held, new_computed)
         return new_computed
 
     # -- sharing and release -----------------------------------------------------------
@@ -349,7 +444,9 @@ class BlockManager:
             for block_id in table:
                 if block_id != NULL_BLOCK_ID:
                     self.pool.incref(block_id)
-        self._held[child.seq_id] = _Held([list(table) for table in tables], self._empty())
+        parent_held = self._held[parent.seq_id]
+        self._held[child.seq_id] = _Held([list(table) for table in tables], self._empty(), set(parent_held.evicted),
+                                         dict(parent_held.scores), parent_held.scored_upto, parent_held.hash_limit)
 
     def free(self, seq: Sequence) -> None:
         """Release every device and host block of ``seq`` at once (idempotent); the
@@ -417,14 +514,18 @@ class BlockManager:
         """
         if not self.can_swap_in(seq):
             raise NoFreeBlocksError(f"cannot swap in sequence {seq.seq_id}")
+        held = self._of(seq)
         num_full = seq.num_computed_tokens // self.block_size
+        if held.hash_limit is not None:  # later blocks were never published: their KV is this sequence's own
+            num_full = min(num_full, held.hash_limit)
         hashes = self._hashes(seq, num_full) if self.enable_prefix_caching else []
         tables: list[list[int]] = []
         pairs: list[tuple[int, int]] = []
-        held = self._of(seq)
         for g, host_table in enumerate(held.host):
             table = [NULL_BLOCK_ID] * self._released(g, seq.num_computed_tokens)
             for host in host_table:
+                while len(table) in held.evicted:
+                    table.append(NULL_BLOCK_ID)
                 i = len(table)
                 block_id = self.pool.lookup(group_key(g, hashes[i])) if i < num_full and hashes else None
                 if block_id is not None:

@@ -26,6 +26,8 @@ class BlockStats:
     evictions: int  # cached blocks whose content was dropped for reuse
     #: blocks sliding-window layer groups gave back early (out of every query's window)
     released_window_blocks: int = 0
+    #: block-table entries sequences gave up to stay within their KV budget
+    evicted_budget_blocks: int = 0
 
     @property
     def num_free_or_cached(self) -> int:

@@ -192,6 +192,7 @@ class Scheduler:
         for item in output.scheduled:
             if item.seq.status is SequenceStatus.RUNNING:
                 item.seq.num_computed_tokens = self.block_manager.mark_computed(item.seq, item.num_new_tokens)
+                item.seq.num_evicted_blocks = len(self.block_manager.evicted_blocks(item.seq))
 
     # -- the step ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -79,6 +79,8 @@ class Sequence:
         "max_tokens",
         "request",
         "samples_to_fork",
+        "kv_budget",
+        "num_evicted_blocks",
     )
 
     def __init__(
@@ -90,6 +92,7 @@ class Sequence:
         request: Any = None,
         arrival_index: int | None = None,
         num_samples: int = 1,
+        kv_budget: int | None = None,
     ) -> None:
         token_ids = [int(t) for t in prompt_token_ids]
         if not token_ids:
@@ -111,6 +114,11 @@ class Sequence:
         #: parallel sampling (``n > 1``): siblings this sequence forks once its prompt is computed
         #: (see :meth:`Scheduler.fork_parallel_samples`); 0 once forked and for every child
         self.samples_to_fork: int = num_samples - 1
+        #: KV budget in tokens (per layer; a multiple of the block size): once its tokens are all
+        #: computed, the block manager evicts whole blocks to stay within it. None: keep everything
+        self.kv_budget: int | None = kv_budget
+        #: logical blocks evicted to stay within ``kv_budget`` (set by the scheduler after each step)
+        self.num_evicted_blocks: int = 0
 
     # -- derived sizes -----------------------------------------------------
     @property
@@ -173,10 +181,12 @@ class Sequence:
             max_tokens=self.max_tokens,
             request=self.request,
             arrival_index=self.arrival_index,
+            kv_budget=self.kv_budget,
         )
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
+        child.num_evicted_blocks = self.num_evicted_blocks
         child._block_hashes = (self._block_hashes[0], list(self._block_hashes[1]))
         child.status = self.status
         return child

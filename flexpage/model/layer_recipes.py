@@ -70,39 +70,46 @@ def load_recipe(spec: str) -> Recipe:
     ``attr`` is a :class:`Recipe` or a function called with no arguments that returns one;
     a file without ``:attr`` must define exactly one module-level Recipe.
     """
+    return load_object(spec, Recipe, "recipe")
+
+
+def load_object(spec: str, cls: type, what: str) -> Any:
+    """An instance of ``cls`` named on the command line (see :func:`load_recipe`); errors name ``what``."""
+    kind = cls.__name__
     target, _, attr = spec.partition(":")
     if target.endswith(".py"):
         path = Path(target)
         if not path.is_file():
-            raise ValueError(f"recipe: {spec!r}: no file {path}")
-        module_spec = importlib.util.spec_from_file_location(f"flexpage_user_recipe_{path.stem}", path)
+            raise ValueError(f"{what}: {spec!r}: no file {path}")
+        module_spec = importlib.util.spec_from_file_location(f"flexpage_user_{what.replace(' ', '_')}_{path.stem}",
+                                                             path)
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
     else:
         if not attr:
-            raise ValueError(f"recipe: got {spec!r}, expected 'package.module:attr' or 'path/to/file.py[:attr]'")
+            raise ValueError(f"{what}: got {spec!r}, expected 'package.module:attr' or 'path/to/file.py[:attr]'")
         try:
             module = importlib.import_module(target)
         except ImportError as error:
-            raise ValueError(f"recipe: {spec!r}: cannot import {target!r} ({error})") from error
+            raise ValueError(f"{what}: {spec!r}: cannot import {target!r} ({error})") from error
     if not attr:
-        found = [value for value in vars(module).values() if isinstance(value, Recipe)]
+        found = [value for value in vars(module).values() if isinstance(value, cls)]
         if len(found) != 1:
-            raise ValueError(f"recipe: {spec!r} defines {len(found)} Recipe objects; name one as {target}:attr")
+            raise ValueError(f"{what}: {spec!r} defines {len(found)} {kind} objects; name one as {target}:attr")
         return found[0]
     if not hasattr(module, attr):
-        raise ValueError(f"recipe: {spec!r}: {target} has no attribute {attr!r}")
+        raise ValueError(f"{what}: {spec!r}: {target} has no attribute {attr!r}")
     value = getattr(module, attr)
-    recipe = value
-    if callable(value) and not isinstance(value, Recipe):
+    made = value
+    if callable(value) and not isinstance(value, cls):
         try:
-            recipe = value()
+            made = value()
         except TypeError as error:
-            raise ValueError(f"recipe: {spec!r} takes arguments ({error}); name a Recipe made with them") from error
-    if not isinstance(recipe, Recipe):
-        raise ValueError(f"recipe: {spec!r} gave a {type(recipe).__name__}, expected a Recipe "
+            raise ValueError(f"{what}: {spec!r} takes arguments ({error}); name a {kind} made with them") from error
+    if not isinstance(made, cls):
+        raise ValueError(f"{what}: {spec!r} gave a {type(made).__name__}, expected a {kind} "
                          "(or a function of no arguments returning one)")
-    return recipe
+    return made
 
 
 def engine_recipes(choice: RecipeChoice, config: Any) -> tuple[Recipe, ...]:

@@ -45,6 +45,8 @@ class ServeSettings:
     model_impl: str = "auto"
     recipe: RecipeChoice = None  # see flexpage.model.layer_recipes; None: the model's own
     deterministic: bool = False  # EngineConfig.deterministic
+    kv_budget_tokens: int | None = None  # EngineConfig.kv_budget_tokens
+    kv_eviction: str = "paged_eviction"  # EngineConfig.kv_eviction
     enable_prefix_caching: bool = True
     swap_space: str = "0"
     preemption_mode: str = "recompute"
@@ -81,7 +83,8 @@ def run_server(settings: ServeSettings) -> int:
         max_num_batched_tokens=settings.max_num_batched_tokens, enable_prefix_caching=settings.enable_prefix_caching,
         preemption_mode=settings.preemption_mode, compile=not settings.eager, model_impl=settings.model_impl,
         seed=settings.seed, recipe=settings.recipe, deterministic=settings.deterministic,
-        compile_step=settings.compile_step,
+        compile_step=settings.compile_step, kv_budget_tokens=settings.kv_budget_tokens,
+        kv_eviction=settings.kv_eviction,
     )
     timings = {"load": 0.0, "warm-up": 0.0}
 
@@ -158,6 +161,10 @@ def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str
     table.add_row("max model len", f"{engine.max_model_len:,} tokens; max {engine.config.max_num_seqs} sequences, "
                                    f"{engine.config.max_num_batched_tokens} batched tokens / step")
     table.add_row("prefix caching", "on" if engine.config.enable_prefix_caching else "off")
+    budget = engine.config.kv_budget_tokens
+    table.add_row("KV budget", f"{budget} tokens per sequence, {engine.eviction_policy.name} eviction"
+                  if budget is not None and engine.eviction_policy.token_scores is not None
+                  else f"none (requests may set kv_budget; {engine.eviction_policy.name} eviction)")
     table.add_row("attention", "torch.compile (FlexAttention kernels)" if engine.runner.compile
                   else "eager (no torch.compile)")
     table.add_row("recipes", recipe_summary(engine.recipes) + ("" if engine.runner.recipes_from_model

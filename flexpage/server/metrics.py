@@ -45,6 +45,9 @@ _COUNTERS = {
     "flexpage_generation_tokens": ("generation_tokens", "Tokens generated."),
     "flexpage_prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "flexpage_prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served from the prefix cache."),
+    "flexpage_kv_evicted_blocks": ("kv_evicted_blocks", "KV block-table entries sequences gave up to stay within "
+                                                        "their KV budget (kv_budget)."),
+    "flexpage_kv_evicted_tokens": ("kv_evicted_tokens", "Token slots in those blocks."),
 }
 
 #: Every exported metric with its type and help text (docs/serving.md mirrors this).

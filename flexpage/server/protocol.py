@@ -105,6 +105,7 @@ class _SamplingFields(_Base):
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
+    kv_budget: Optional[int] = None  # KV tokens kept per layer (flexpage's extra; see SamplingParams.kv_budget)
     # accepted only in their no-op form (see unsupported_fields)
     logit_bias: Optional[dict[str, float]] = None
     best_of: Optional[int] = None
