@@ -130,3 +130,6 @@ def test_cli_and_server_defaults_match_the_engine_config():
     settings = ServeSettings()
     assert (settings.block_size, settings.attention_block_size, settings.model_impl, settings.compile_step) == (
         engine.block_size, engine.attention_block_size, engine.model_impl, engine.compile_step)
+    serve = {p.name: p.default for p in typer.main.get_command(app).commands["serve"].params}
+    assert (serve["kv_budget"], serve["kv_eviction"]) == (engine.kv_budget_tokens, engine.kv_eviction)
+    assert (settings.kv_budget_tokens, settings.kv_eviction) == (engine.kv_budget_tokens, engine.kv_eviction)

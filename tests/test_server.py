@@ -394,6 +394,10 @@ BAD_REQUESTS = [
     ("/v1/completions", b'{"prompt": "x", "frequency_penalty": -3}', 400, "frequency_penalty", None),
     ("/v1/completions", b'{"prompt": "x", "repetition_penalty": 0}', 400, "repetition_penalty", None),
     ("/v1/completions", b'{"prompt": "x", "n": 0}', 400, "n", None),
+    ("/v1/completions", b'{"prompt": "x", "kv_budget": 20}', 400, "kv_budget", None),  # not whole blocks
+    ("/v1/completions", b'{"prompt": "x", "kv_budget": 16}', 400, "kv_budget", None),  # under 3 blocks
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "kv_budget": -8}', 400,
+     "kv_budget", None),
     ("/v1/completions", b'{"prompt": "x", "logprobs": 50}', 400, "logprobs", None),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens", None),
     ("/v1/completions", b'{"prompt": "x", "min_tokens": 9, "max_tokens": 2}', 400, "min_tokens", None),
@@ -535,6 +539,17 @@ def test_a_disconnect_storm_gives_every_block_back(server: ServerProcess) -> Non
     after = server.wait_idle(timeout=60)
     aborted = "flexpage_requests_finished_total{finish_reason=abort}"
     assert after[aborted] == before[aborted] + 60
+    assert after["flexpage_kv_blocks_used"] == 0
+
+
+def test_a_request_with_a_kv_budget_evicts_and_says_so_in_metrics(server: ServerProcess) -> None:
+    before = server.wait_idle(timeout=60)["flexpage_kv_evicted_blocks_total"]
+    out = server.openai().completions.create(model=MODEL, prompt="hello " * 100, max_tokens=8, temperature=0,
+                                             extra_body={"kv_budget": 24})
+    assert out.choices[0].finish_reason == "length"
+    after = server.wait_idle(timeout=60)
+    assert after["flexpage_kv_evicted_blocks_total"] > before
+    assert after["flexpage_kv_evicted_tokens_total"] == 8 * after["flexpage_kv_evicted_blocks_total"]
     assert after["flexpage_kv_blocks_used"] == 0
 
 
