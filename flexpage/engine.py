@@ -338,6 +338,7 @@ class LLMEngine:
                     inputs.group_block_tables = [[] for _ in seq_tables]
                 for tables, table in zip(inputs.group_block_tables, seq_tables):
                     tables.append(table)
+            inputs.evicted_pages |= seq.num_evicted_blocks > 0
             inputs.seq_lens.append(item.start + item.num_new_tokens)
             inputs.query_lens.append(item.num_new_tokens)
             if item.sample:

@@ -595,3 +595,37 @@ def test_pages_released_by_a_sliding_window_are_never_visited():
     with pytest.raises(ValueError, match=r"row 0 has seq_lens 61, which needs 4 pages, but its page 0 is the null page 0"):
         build_paged_batch(torch.tensor([[0, 0, 3, 4]], dtype=torch.int32), torch.tensor([61]), torch.tensor([1]),
                           page_size=PAGE_SIZE, num_pages=NUM_PAGES, recipe=causal())
+
+
+def test_a_decode_row_skips_pages_its_kv_budget_evicted_and_keeps_true_positions():
+    """Row at position 60 holds pages 1, 3, 4 of its table (logical page 1, positions 16-31,
+    evicted): attention equals a float64 softmax over positions 0-15 and 32-60 only, with ALiBi
+    distances from the true positions. Without ``evicted_pages`` the hole is an error, and a
+    chunk of several new tokens (a gathered copy) is never allowed one."""
+    from flexpage.recipes.alibi import alibi, alibi_slopes
+
+    g = torch.Generator().manual_seed(5)
+    recipe = alibi(4)
+    k_pool = torch.randn(1, 2, NUM_PAGES * PAGE_SIZE, 32, generator=g)
+    v_pool = torch.randn(1, 2, NUM_PAGES * PAGE_SIZE, 32, generator=g)
+    q = torch.randn(1, 4, 32, generator=g)
+    table = torch.tensor([[1, 0, 3, 4]], dtype=torch.int32)
+    batch = build_paged_batch(table, torch.tensor([61]), torch.tensor([1]), page_size=PAGE_SIZE, num_pages=NUM_PAGES,
+                              recipe=recipe, evicted_pages=True)
+    out = FlexRunner(recipe, compile=False)(q, k_pool, v_pool, batch)
+
+    positions = torch.cat([torch.arange(16), torch.arange(32, 61)])
+    slots = torch.cat([torch.arange(16, 32), torch.arange(48, 77)])  # page 1, then pages 3 and 4
+    keys, values = k_pool[0, :, slots].double(), v_pool[0, :, slots].double()  # [2, n, 32]
+    heads = torch.arange(4)
+    scores = torch.einsum("hd,hnd->hn", q[0].double(), keys[heads // 2]) / 32 ** 0.5
+    scores = scores + alibi_slopes(4).double()[:, None] * (positions - 60).double()
+    want = torch.einsum("hn,hnd->hd", scores.softmax(-1), values[heads // 2])
+    torch.testing.assert_close(out[0].double(), want, rtol=0, atol=1e-5)
+
+    with pytest.raises(ValueError, match="its page 1 is the null page 0"):
+        build_paged_batch(table, torch.tensor([61]), torch.tensor([1]), page_size=PAGE_SIZE, num_pages=NUM_PAGES,
+                          recipe=recipe)
+    with pytest.raises(ValueError, match="its page 1 is the null page 0"):
+        build_paged_batch(table, torch.tensor([61]), torch.tensor([3]), page_size=PAGE_SIZE, num_pages=NUM_PAGES,
+                          recipe=recipe, evicted_pages=True)

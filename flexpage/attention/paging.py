@@ -122,6 +122,7 @@ def build_paged_batch(
     bucket: bool = True,
     num_threads: int | None = None,
     deterministic: bool = False,
+    evicted_pages: bool = False,
 ) -> PagedBatch:
     """Plan one step of paged attention.
 
@@ -149,9 +150,15 @@ def build_paged_batch(
     blocks in logical order, all as partial blocks. The kernel visits partial blocks before
     full ones, and its online softmax rounds differently when the order changes: a decode row
     sees its last block whole, the same token inside a prefill query block sees it partly.
+
+    ``evicted_pages``: decode rows may hold the null page anywhere before their new token --
+    blocks a KV budget evicted (:mod:`flexpage.core.eviction`); they read the pool in place
+    and never list it. Without it such a page is a sequence longer than its blocks (an error).
     """
     check_arg(isinstance(pages_per_block, int) and pages_per_block >= 1, "pages_per_block", pages_per_block,
               "a positive int")
+    check_arg(not (evicted_pages and deterministic), "evicted_pages", evicted_pages,
+              "False in deterministic mode (its decode rows read gathered keys, which cannot skip evicted pages)")
     check_arg(num_threads is None or (isinstance(num_threads, int) and num_threads >= 1), "num_threads", num_threads,
               "None or a positive int")
     check_arg(num_pages % pages_per_block == 0, "num_pages", num_pages,
@@ -159,7 +166,7 @@ def build_paged_batch(
     # the plan is index arithmetic on small host arrays: numpy's per-op cost is a few times
     # lower than torch's, and the results are handed over as tensors without copies
     tables, seq_lens_n, query_lens_n = check_paging_inputs(block_tables, seq_lens, query_lens, page_size, num_pages,
-                                                           recipe, decode_rows_skip_null_pages=not deterministic)
+                                                           recipe, decode_rows_skip_null_pages=evicted_pages)
     if tables.shape[1] == 1:  # one column would be one more compiled kernel (Dynamo specialises a size of 1)
         tables = np.pad(tables, ((0, 0), (0, 1)))
     starts = np.cumsum(query_lens_n) - query_lens_n

@@ -71,6 +71,8 @@ class StepInputs:
     sample_rows: list[int]  # flat index of each token whose logits are wanted
     #: per layer group, per sequence (``[group][seq]``); empty: one group, ``block_tables``
     group_block_tables: list[list[list[int]]] = field(default_factory=list)
+    #: some sequence's tables hold blocks its KV budget evicted (null entries before its tokens)
+    evicted_pages: bool = False
 
 
 @dataclass
@@ -97,6 +99,7 @@ class PagedStep:
     group_tables: tuple[Tensor, ...] = ()
     layer_group: tuple[int, ...] = ()
     layer_slot: tuple[int, ...] = ()
+    evicted_pages: bool = False  # see StepInputs.evicted_pages
 
     def batch_for(self, recipe: Recipe, group: int = 0) -> PagedBatch:
         key = (recipe, group)
@@ -105,6 +108,7 @@ class PagedStep:
                 self.group_tables[group] if group else self.block_tables, self.seq_lens, self.query_lens,
                 page_size=self.pool.block_size, num_pages=self.pool.num_blocks, recipe=recipe,
                 pages_per_block=self.pages_per_block, deterministic=self.deterministic,
+                evicted_pages=self.evicted_pages,
             )
         return self.batches[key]
 
@@ -273,6 +277,7 @@ class ModelRunner:
             pages_per_block=self.blocks_per_attention_block,
             deterministic=self.deterministic,
             runners=self._runners,
+            evicted_pages=inputs.evicted_pages,
         )
         positions = torch.from_numpy(token_positions(np.asarray(inputs.seq_lens, dtype=np.int64),
                                                      np.asarray(inputs.query_lens, dtype=np.int64)))
