@@ -312,27 +312,33 @@ def main() -> None:
 
 
 def plot(result: dict, path: Path) -> None:
+    """Accuracy (top) and teacher-forced key log-probability (bottom) against the budget."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     lengths = list(result["accuracy"])
-    fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 3.6), squeeze=False)
-    for ax, length in zip(axes[0], lengths):
+    fig, axes = plt.subplots(2, len(lengths), figsize=(5 * len(lengths), 6.4), squeeze=False, sharex=True)
+    styles = {"streaming_llm": "s-", "key_norm": "^-", "paged_eviction": "o-", "openvino": "x--"}
+    for column, length in enumerate(lengths):
         cells = result["accuracy"][length]
-        for policy in (*POLICIES[1:], "openvino"):
-            xs = [b for b in result["budgets"] if f"{policy}@{b}" in cells]
-            if xs:
-                ax.plot(xs, [cells[f"{policy}@{b}"]["accuracy"] for b in xs], marker="o", label=policy)
-        if "none@None" in cells:
-            ax.axhline(cells["none@None"]["accuracy"], color="gray", linestyle="--", label="full cache")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(result["budgets"], [str(b) for b in result["budgets"]])
-        ax.set_ylim(-0.05, 1.05)
-        ax.set_title(f"passkey, {length} tokens")
-        ax.set_xlabel("KV budget (tokens per layer)")
-        ax.set_ylabel("exact-match accuracy")
+        for row, metric in enumerate(("accuracy", "key_logprob")):
+            ax = axes[row][column]
+            for policy, style in styles.items():
+                xs = [b for b in result["budgets"] if metric in cells.get(f"{policy}@{b}", {})]
+                if xs:
+                    ax.plot(xs, [cells[f"{policy}@{b}"][metric] for b in xs], style, label=policy, alpha=0.8)
+            if metric in cells.get("none@None", {}):
+                ax.axhline(cells["none@None"][metric], color="gray", linestyle=":", label="full cache")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(result["budgets"], [str(b) for b in result["budgets"]])
+            ax.set_ylabel("exact-match accuracy" if metric == "accuracy" else "key log-prob (nats)")
+            if row == 0:
+                ax.set_title(f"passkey, {length} tokens")
+                ax.set_ylim(-0.05, 1.05)
+            else:
+                ax.set_xlabel("KV budget (tokens per layer)")
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(exist_ok=True)
