@@ -46,24 +46,46 @@ _TASK = ("There is an important info hidden inside a lot of irrelevant text. Fin
 _FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 _NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 _QUESTION = "\nWhat is the pass key? The pass key is"
+#: the "varied" haystack: these sentences in a shuffled order, so no two stretches of filler repeat
+_SENTENCES = (
+    "A river bends around the old mill.", "The library opens at nine on weekdays.",
+    "Seven boats waited near the harbour wall.", "Her bicycle had a loose front wheel.",
+    "Snow fell quietly over the northern hills.", "The baker sold out of rye bread by noon.",
+    "Two owls nested in the chapel tower.", "The train to the coast was twenty minutes late.",
+    "A red kite circled above the barley field.", "The museum keeps a map drawn in 1820.",
+    "His garden grows beans, leeks and tall sunflowers.", "The market square fills with stalls on Fridays.",
+    "Fog rolled in from the bay before dawn.", "The teacher read a story about a lighthouse.",
+    "A narrow bridge crosses the canal by the school.", "The orchestra rehearsed in the empty hall.",
+    "Rain tapped against the greenhouse roof.", "The shop on the corner repairs old clocks.",
+    "Wild thyme grows between the stones of the path.", "A fox crossed the road near the farm gate.",
+)
 
 
-def passkey_prompt(tokenizer, length: int, depth: float, key: int) -> str:  # noqa: ANN001
+def passkey_prompt(tokenizer, length: int, depth: float, key: int, haystack: str = "repeat",  # noqa: ANN001
+                   rng: np.random.Generator | None = None) -> str:
     """A raw completion prompt of about ``length`` tokens with the key at ``depth`` of the filler."""
     fixed = len(tokenizer(_TASK + _NEEDLE.format(key=key) + _QUESTION).input_ids)
-    per_filler = len(tokenizer(_FILLER * 10).input_ids) / 10
-    repeats = max(1, int((length - fixed) / per_filler))
-    before = round(repeats * depth)
-    return _TASK + _FILLER * before + _NEEDLE.format(key=key) + _FILLER * (repeats - before) + _QUESTION
+    if haystack == "repeat":
+        sentences = [_FILLER]
+        per_sentence = len(tokenizer(_FILLER * 10).input_ids) / 10
+    else:
+        rng = rng or np.random.default_rng(0)
+        sentences = [_SENTENCES[i] + " " for i in rng.permutation(len(_SENTENCES) * 40) % len(_SENTENCES)]
+        per_sentence = len(tokenizer("".join(sentences[:40])).input_ids) / 40
+    count = max(1, int((length - fixed) / per_sentence))
+    filler = [sentences[i % len(sentences)] for i in range(count)]
+    before = round(count * depth)
+    return _TASK + "".join(filler[:before]) + _NEEDLE.format(key=key) + "".join(filler[before:]) + _QUESTION
 
 
-def passkey_cases(tokenizer, length: int, samples: int, seed: int = 0) -> list[dict]:  # noqa: ANN001
+def passkey_cases(tokenizer, length: int, samples: int, seed: int = 0, haystack: str = "repeat") -> list[dict]:  # noqa: ANN001
     rng = np.random.default_rng(seed + length)
     cases = []
     for depth in DEPTHS:
         for _ in range(samples):
             key = int(rng.integers(10000, 100000))
-            cases.append({"depth": depth, "key": key, "prompt": passkey_prompt(tokenizer, length, depth, key)})
+            prompt = passkey_prompt(tokenizer, length, depth, key, haystack, rng)
+            cases.append({"depth": depth, "key": key, "prompt": prompt})
     return cases
 
 
@@ -234,6 +256,9 @@ def summarise_cell(cell: dict) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
+    p.add_argument("--haystack", choices=("repeat", "varied"), default="repeat",
+                   help="repeat: one filler passage over and over (Mohtashami & Jaggi); varied: 20 distinct "
+                        "sentences in shuffled order (results in longcontext-varied.json)")
     p.add_argument("--samples", type=int, default=4, help="prompts per depth (5 depths)")
     p.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024])
     p.add_argument("--dtype", default="auto")
@@ -254,7 +279,11 @@ def main() -> None:
         print(json.dumps(run_worker(args)))
         return
 
-    result: dict = {"budgets": args.budgets, "samples_per_cell": 5 * args.samples, "dtype": args.dtype,
+    results, plot_path = RESULTS, PLOT
+    if args.haystack != "repeat":
+        results = RESULTS.with_name(f"longcontext-{args.haystack}.json")
+        plot_path = PLOT.with_name(f"longcontext-{args.haystack}.png")
+    result: dict = {"haystack": args.haystack, "budgets": args.budgets, "samples_per_cell": 5 * args.samples, "dtype": args.dtype,
                     "accuracy": {}, "speed": {}}
     common = ["--dtype", args.dtype, "--budgets", *map(str, args.budgets)]
     case_files = {}
@@ -264,7 +293,8 @@ def main() -> None:
         tokenizer = load_tokenizer(resolve_model_path(None))
         for length in args.lengths:
             case_files[length] = Path(tempfile.mkdtemp()) / f"passkey-{length}.json"
-            case_files[length].write_text(json.dumps(passkey_cases(tokenizer, length, args.samples)))
+            case_files[length].write_text(json.dumps(passkey_cases(tokenizer, length, args.samples,
+                                                                   haystack=args.haystack)))
     if args.check_hf:
         for length in args.lengths:
             raw = in_subprocess(sys.executable, "--worker", "hf", "--cases", str(case_files[length]), *common)
@@ -301,14 +331,14 @@ def main() -> None:
                            "decode_speedup": med["budget"]["decode_tok_s"] / med["full"]["decode_tok_s"],
                            "kv_bytes_ratio": med["budget"]["kv_bytes_per_seq"] / med["full"]["kv_bytes_per_seq"]}
         print(json.dumps({k: v for k, v in result["speed"].items() if k != "runs"}, indent=1))
-    RESULTS.parent.mkdir(exist_ok=True)
-    if RESULTS.exists():  # keep the other half when only one half ran
-        old = json.loads(RESULTS.read_text())
+    results.parent.mkdir(exist_ok=True)
+    if results.exists():  # keep the other half when only one half ran
+        old = json.loads(results.read_text())
         for part in ("accuracy", "speed", "hf_agreement"):
             result[part] = result.get(part) or old.get(part, {})
-    RESULTS.write_text(json.dumps(result, indent=1))
+    results.write_text(json.dumps(result, indent=1))
     if result["accuracy"]:
-        plot(result, PLOT)
+        plot(result, plot_path)
 
 
 def plot(result: dict, path: Path) -> None:
