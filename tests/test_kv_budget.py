@@ -66,10 +66,8 @@ def reference_mask(prompt_len: int, total: int, held_before_step: list[list[int]
 
 
 @torch.no_grad()
-def reference_logprobs(folder, ids: list[int], mask: torch.Tensor, kind: str) -> torch.Tensor:
-    model = load_reference(folder)
-    attention_mask = {"full_attention": mask, "sliding_attention": mask} if kind == "gemma2" else mask
-    logits = model(torch.tensor([ids]), attention_mask=attention_mask).logits[0].float()
+def reference_logprobs(folder, ids: list[int], mask: torch.Tensor) -> torch.Tensor:
+    logits = load_reference(folder)(torch.tensor([ids]), attention_mask=mask).logits[0].float()
     return logits.log_softmax(-1)
 
 
@@ -92,13 +90,13 @@ def test_logits_after_eviction_equal_a_dense_reference_over_the_kept_tokens(kind
     assert out.metrics.evicted_blocks > 0 and out.metrics.evicted_tokens == out.metrics.evicted_blocks * BLOCK
     ids = prompt + tokens
     mask = reference_mask(len(prompt), len(ids) - 1, held_before_step, window)
-    ref = reference_logprobs(folder, ids[:-1], mask, kind)[len(prompt) - 1:]
+    ref = reference_logprobs(folder, ids[:-1], mask)[len(prompt) - 1:]
     got = torch.tensor([entry[token].logprob for entry, token in zip(out.outputs[0].logprobs, tokens)])
     want = ref[torch.arange(len(tokens)), torch.tensor(tokens)]
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     assert tokens == ref.argmax(-1).tolist()
     if window is None:  # the mask matters: the full-attention forward gives other logits
-        full = reference_logprobs(folder, ids[:-1], reference_mask(len(prompt), len(ids) - 1, [], None), kind)
+        full = reference_logprobs(folder, ids[:-1], reference_mask(len(prompt), len(ids) - 1, [], None))
         assert (full[len(prompt) - 1:][torch.arange(len(tokens)), torch.tensor(tokens)] - want).abs().max() > 1e-3
 
 
