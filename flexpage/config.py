@@ -41,9 +41,13 @@ def parse_size(text: str | int) -> int:
     return int(float(number) * scale)
 
 
-def check_kv_budget(name: str, budget: object, block_size: int) -> int:
+def check_kv_budget(name: str, budget: object, block_size: int, deterministic: bool = False) -> int:
     """A KV budget in tokens: an int, a multiple of ``block_size`` and at least 3 blocks (the
-    first block, the newest and one more are kept whatever the policy)."""
+    first block, the newest and one more are kept whatever the policy), on an engine that is
+    not deterministic (its decode rows read gathered keys, which cannot skip evicted blocks)."""
+    if deterministic:
+        raise ValueError(f"{name}: KV budgets are not available in deterministic mode (its decode rows read "
+                         "gathered keys, which cannot skip evicted blocks)")
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 3 * block_size or budget % block_size:
         raise ValueError(f"{name}: got {budget!r}, expected a multiple of the block size ({block_size}) "
                          f"of at least 3 blocks ({3 * block_size} tokens)")
@@ -123,10 +127,7 @@ class EngineConfig:
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl: got {self.model_impl!r}, expected one of {MODEL_IMPLS}")
         if self.kv_budget_tokens is not None:
-            check_kv_budget("kv_budget_tokens", self.kv_budget_tokens, self.block_size)
-            if self.deterministic:
-                raise ValueError("kv_budget_tokens: KV budgets are not available in deterministic mode "
-                                 "(its decode rows read gathered keys, which cannot skip evicted blocks)")
+            check_kv_budget("kv_budget_tokens", self.kv_budget_tokens, self.block_size, self.deterministic)
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode: got {self.preemption_mode!r}, expected 'recompute' or 'swap'")
 

@@ -168,11 +168,9 @@ class LLMEngine:
         if params.kv_budget is None:
             budget = self.config.kv_budget_tokens
         else:
-            if self.config.deterministic:
-                raise InvalidParameter("kv_budget", "kv_budget: not available in deterministic mode (its decode "
-                                       "rows read gathered keys, which cannot skip evicted blocks)")
             try:
-                budget = check_kv_budget("kv_budget", params.kv_budget, self.config.block_size)
+                budget = check_kv_budget("kv_budget", params.kv_budget, self.config.block_size,
+                                         self.config.deterministic)
             except ValueError as error:
                 raise InvalidParameter("kv_budget", str(error)) from None
         return budget if self.eviction_policy.token_scores is not None else None
