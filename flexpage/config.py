@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from flexpage.core.kv_tiers import TIER_POLICIES
+
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
 # Pages of 8 tokens: the last, partly filled page of a sequence wastes half as much as with
 # vLLM's 16 (KV utilisation 98.0% vs 95.8% on bench/throughput.py's workload), and small pages
@@ -29,13 +31,14 @@ def default_attention_block_size(dtype: torch.dtype) -> int:
     return 256 if dtype == torch.float32 else 128
 
 
-def parse_size(text: str | int) -> int:
-    """``"2GiB"``, ``"512MB"``, ``"1.5G"`` or a plain byte count -> bytes."""
+def parse_size(text: str | int, name: str = "kv_cache_memory") -> int:
+    """``"2GiB"``, ``"512MB"``, ``"1.5G"`` or a plain byte count -> bytes (``name``: the
+    setting, for the error message)."""
     if isinstance(text, int):
         return text
     match = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b?)\s*", str(text), flags=re.IGNORECASE)
     if not match:
-        raise ValueError(f"kv_cache_memory: got {text!r}, expected a size such as '2GiB', '512MB' or a byte count")
+        raise ValueError(f"{name}: got {text!r}, expected a size such as '2GiB', '512MB' or a byte count")
     number, unit, _ = match.groups()
     scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[unit.lower()]
     return int(float(number) * scale)
@@ -101,6 +104,12 @@ class EngineConfig:
     # which blocks go: a policy name (flexpage.model.kv_eviction.EVICTION_POLICIES),
     # "module:attr" / "file.py[:attr]", or an EvictionPolicy
     kv_eviction: Any = "paged_eviction"
+    # tiers behind the prefix cache (Pensieve; flexpage.core.kv_tiers): host memory for blocks
+    # the pool evicts (0: none), then optionally a disk directory; which entry goes first
+    host_kv_bytes: int | str = 0
+    disk_kv_dir: str | None = None
+    disk_kv_bytes: int | str = 0
+    kv_tier_policy: str = "retention"  # or "lru"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "attention_block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -128,6 +137,18 @@ class EngineConfig:
             raise ValueError(f"model_impl: got {self.model_impl!r}, expected one of {MODEL_IMPLS}")
         if self.kv_budget_tokens is not None:
             check_kv_budget("kv_budget_tokens", self.kv_budget_tokens, self.block_size, self.deterministic)
+        for name in ("host_kv_bytes", "disk_kv_bytes"):
+            if parse_size(getattr(self, name), name) < 0:
+                raise ValueError(f"{name}: got {getattr(self, name)!r}, expected a size >= 0")
+        if self.disk_kv_dir is not None and parse_size(self.host_kv_bytes) == 0:
+            raise ValueError("disk_kv_dir: a disk tier needs host_kv_bytes > 0 (blocks reach disk through host memory)")
+        if (self.disk_kv_dir is None) != (parse_size(self.disk_kv_bytes) == 0):
+            raise ValueError(f"disk_kv_dir and disk_kv_bytes go together: got disk_kv_dir={self.disk_kv_dir!r}, "
+                             f"disk_kv_bytes={self.disk_kv_bytes!r}")
+        if parse_size(self.host_kv_bytes) and not self.enable_prefix_caching:
+            raise ValueError("host_kv_bytes: tiers hold prefix-cache blocks; enable_prefix_caching must be True")
+        if self.kv_tier_policy not in TIER_POLICIES:
+            raise ValueError(f"kv_tier_policy: got {self.kv_tier_policy!r}, expected one of {TIER_POLICIES}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode: got {self.preemption_mode!r}, expected 'recompute' or 'swap'")
 

@@ -18,11 +18,13 @@ import torch
 
 from flexpage.config import EngineConfig, check_kv_budget, parse_size
 from flexpage.core.block_manager import BlockManager
+from flexpage.core.kv_tiers import KVTiers
 from flexpage.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from flexpage.core.sequence import Sequence, SequenceStatus
 from flexpage.errors import InvalidParameter
 from flexpage.model.detokenizer import IncrementalDetokenizer
 from flexpage.model.kv_eviction import block_scores, resolve_eviction_policy
+from flexpage.model.kv_tier_storage import TierStorage
 from flexpage.model.dtypes import default_dtype, parse_dtype
 from flexpage.model.loader import load_hf_model, load_tokenizer, resolve_model_path
 from flexpage.model.layer_recipes import engine_recipes
@@ -105,10 +107,17 @@ class LLMEngine:
                                   blocks_per_attention_block=run_length, model_impl=config.model_impl,
                                   recipes=self.recipes, deterministic=config.deterministic,
                                   compile_step=config.compile_step)
+        host_slots = parse_size(config.host_kv_bytes, "host_kv_bytes") // bytes_per_block
+        #: the bytes of the tiers behind the prefix cache (None: no tiers)
+        self.tier_storage = TierStorage(self.runner.pool, host_slots, config.disk_kv_dir) if host_slots else None
+        # a disk entry is one safetensors file: the block plus a small header
+        disk_slots = parse_size(config.disk_kv_bytes, "disk_kv_bytes") // (bytes_per_block + 4096)
+        tiers = KVTiers(host_slots, disk_slots if host_slots else 0, policy=config.kv_tier_policy,
+                        cost=_recompute_cost(model, text_config, config.block_size))
         self.block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
             num_host_blocks=self.runner.num_host_blocks, run_length=run_length,
-            group_windows=[group.window for group in self.runner.layer_groups],
+            group_windows=[group.window for group in self.runner.layer_groups], tiers=tiers,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -256,7 +265,7 @@ class LLMEngine:
             self.step()
             self.add_request({"prompt_token_ids": ids(100, 30)}, params, "warmup-2")
             self._run_to_completion()
-            self.block_manager.reset_prefix_cache()
+            self.reset_prefix_cache()
             return time.perf_counter() - start
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         batches = [[n] for n in _WARMUP_LENGTHS] + [[n, n] for n in _WARMUP_LENGTHS] + [[5, 23, 40]]
@@ -266,7 +275,7 @@ class LLMEngine:
             self._run_to_completion()
             # cached blocks of earlier batches would make sequences share key blocks (the mask's
             # ownership check): from an empty cache each sequence gets its own runs, as in serving
-            self.block_manager.reset_prefix_cache()
+            self.reset_prefix_cache()
         # Requests sharing a cached prefix block compile the kernels whose mask keeps its ownership
         # check (flexpage.attention.paging.PagedBatch.one_owner_per_block): for each length bucket, a
         # prefill joining a decoding request (one row each) and two prefills together (two rows).
@@ -284,7 +293,7 @@ class LLMEngine:
             for i in (2, 3):
                 self.add_request({"prompt_token_ids": shared + suffixes[i]}, params, f"warmup-shared-{n}-{i}")
             self._run_to_completion()
-        self.block_manager.reset_prefix_cache()
+        self.reset_prefix_cache()
         return time.perf_counter() - start
 
     def _run_to_completion(self) -> None:
@@ -305,6 +314,7 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         for seq in sched.finished:  # the scheduler gave up on a sequence that outgrew the pool
             self._finish(seq, SequenceStatus.FINISHED_LENGTH, touched, already_retired=True)
+        self._apply_tier_ops()  # first: the other copies may reuse a block spilled here
         self.runner.apply_block_moves(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy)
         if sched.scheduled:
             try:
@@ -316,6 +326,22 @@ class LLMEngine:
                     for item in sched.scheduled:
                         self._run_alone(item, touched)
         return [r.to_output() for r in touched.values()]
+
+    def _apply_tier_ops(self) -> None:
+        ops = self.block_manager.take_tier_ops()
+        if ops:
+            self.tier_storage.apply(ops)  # type: ignore[union-attr]
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block, in the pool and in the tiers; returns the pool blocks dropped."""
+        dropped = self.block_manager.reset_prefix_cache()
+        self._apply_tier_ops()
+        return dropped
+
+    def close(self) -> None:
+        """Release what outlives the process otherwise (the disk tier's files and lock)."""
+        if self.tier_storage is not None:
+            self.tier_storage.close()
 
     def take_failures(self) -> dict[str, str]:
         """Requests :meth:`step` aborted because their own computation failed (id -> message),
@@ -513,7 +539,28 @@ class LLMEngine:
             "kv_evicted_tokens": blocks.evicted_budget_blocks * self.config.block_size,
             # a token takes a slot in every layer group (sliding groups give theirs back later)
             "kv_capacity_tokens": (blocks.total - 1) * self.config.block_size // len(self.layer_groups),
+            **self.tier_stats(),
             **self.counters,
+        }
+
+    def tier_stats(self) -> dict[str, float]:
+        """The host and disk tiers behind the prefix cache (zeros without tiers)."""
+        tiers = self.block_manager.tiers
+        block_bytes = self.tier_storage.block_bytes if self.tier_storage is not None else 0
+        t = tiers.stats() if tiers is not None else None
+        size = self.config.block_size
+        return {
+            "kv_host_blocks_total": t.host_capacity if t else 0,
+            "kv_host_blocks_used": t.host_used if t else 0,
+            "kv_host_bytes_used": (t.host_used if t else 0) * block_bytes,
+            "kv_disk_blocks_total": t.disk_capacity if t else 0,
+            "kv_disk_blocks_used": t.disk_used if t else 0,
+            "kv_disk_bytes_used": self.tier_storage.disk_bytes if self.tier_storage is not None else 0,
+            "kv_spilled_tokens": (t.spilled_blocks if t else 0) * size,
+            "kv_restored_host_tokens": (t.restored_host_blocks if t else 0) * size,
+            "kv_restored_disk_tokens": (t.restored_disk_blocks if t else 0) * size,
+            "kv_dropped_tokens": (t.dropped_blocks if t else 0) * size,
+            "kv_hole_recomputed_tokens": self.block_manager.num_hole_tokens,
         }
 
     def kv_utilization(self) -> float:
@@ -542,6 +589,21 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     if ids is None:
         return []
     return [ids] if isinstance(ids, int) else list(ids)
+
+
+def _recompute_cost(model: torch.nn.Module, text_config: Any, block_size: int) -> Any:
+    """Relative cost of recomputing the block at logical index ``i`` (the tiers' retention
+    value): per token, the weights' multiply-adds plus attention over the context before it,
+    both in FLOPs of this model (``1.0`` = a block at position 0 without attention)."""
+    weights = sum(p.numel() for name, p in model.named_parameters() if "embed" not in name)
+    heads = text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    per_context_token = 4 * text_config.num_hidden_layers * heads * head_dim / (2 * weights)
+
+    def cost(i: int) -> float:
+        return 1.0 + (i + 0.5) * block_size * per_context_token
+
+    return cost
 
 
 def _kv_bytes_per_token(text_config: Any, dtype: torch.dtype, num_layers: int | None = None) -> int:

@@ -32,6 +32,17 @@ hash for blocks it completes after its first eviction (their KV saw a pruned con
 an evicted block that another sequence shares (prefix cache, fork) only loses this
 sequence's reference. Kept pages scattered over many of the kernel's key blocks are copied
 into whole runs (:meth:`BlockManager.take_relocations`).
+
+Tiers (:mod:`flexpage.core.kv_tiers`): with a :class:`KVTiers`, a cached block the pool
+evicts is spilled to host memory (or disk) instead of lost, and a prefix lookup that misses
+the pool but finds the block in a tier restores it into a fresh block (the copies come from
+:meth:`BlockManager.take_tier_ops`, to run before any other copy of the step). When a tier
+dropped a conversation's *leading* blocks but kept later ones (the retention value drops
+the cheapest to recompute first), the hit has a hole: allocation restores the later blocks,
+the scheduler computes only the hole (:meth:`BlockManager.computable_tokens`), and
+:meth:`BlockManager.mark_computed` then jumps past the restored range. A causal query in the
+hole never reads the blocks after it, so the result equals a full recompute. Holes need
+every layer group to be full attention (a sliding group's hit depends on its window).
 """
 
 from __future__ import annotations
@@ -39,10 +50,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
+from typing import Final
 
 from flexpage.core.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool, NoFreeBlocksError
 from flexpage.core.block_stats import BlockStats
 from flexpage.core.eviction import blocks_to_evict, runs_are_scattered
+from flexpage.core.kv_tiers import KVTiers, TierOp
 from flexpage.core.layer_groups import blocks_out_of_window, group_key, prefix_hit
 from flexpage.core.sequence import Sequence
 
@@ -69,6 +82,32 @@ class _Held:
     scored_upto: int = 0  # every held full block below this index has a score
     #: leading blocks this sequence may publish to the prefix cache; None: all (never evicted)
     hash_limit: int | None = None
+    #: (start, end) tokens restored from the cache behind a hole that is computed first: once
+    #: num_computed_tokens reaches start it jumps to end (see the module docstring)
+    resume: tuple[int, int] | None = None
+
+
+#: a prefix-plan entry whose block is in a tier: allocation restores it into a fresh block
+_TIERED: Final = -1
+
+
+@dataclass(slots=True)
+class _PrefixPlan:
+    """What a fresh allocation of a sequence can reuse.
+
+    ``ids[g][i]``: group ``g``'s block for logical block ``i`` -- a pool block to share, the
+    null block (out of a sliding window), ``_TIERED`` (restore from a tier) or None (compute:
+    the hole ``computed .. resume_start``). Blocks ``0 .. computed`` and
+    ``resume_start .. len(ids[0])`` are reused.
+    """
+
+    ids: list[list[int | None]]
+    computed: int
+    resume_start: int
+
+    @property
+    def reused_blocks(self) -> int:
+        return self.computed + len(self.ids[0]) - self.resume_start
 
 
 class BlockManager:
@@ -83,11 +122,15 @@ class BlockManager:
         num_host_blocks: int = 0,
         run_length: int = 1,
         group_windows: SequenceABC[int | None] = (None,),
+        tiers: KVTiers | None = None,
     ) -> None:
         """``run_length``: blocks per aligned run, the attention kernel's key block (see BlockPool).
 
         ``group_windows``: one entry per layer group (see :mod:`flexpage.core.layer_groups`),
         None for full attention or the sliding window ``W`` of the group's layers.
+
+        ``tiers``: where evicted prefix-cache blocks go (see :mod:`flexpage.core.kv_tiers`);
+        needs prefix caching.
         """
         group_windows = tuple(group_windows)
         if not group_windows or len(group_windows) > 0xFFFF:
@@ -112,6 +155,12 @@ class BlockManager:
         self.num_evicted_blocks = 0  # table entries given up for KV budgets
         self._relocations: list[tuple[int, int]] = []  # see take_relocations
         self._held: dict[int, _Held] = {}  # by seq_id; dropped by free()
+        self.tiers = tiers if tiers is not None and tiers.enabled and self.enable_prefix_caching else None
+        #: of each hashed pool block: its logical block index and when a sequence last released it
+        self._block_info: dict[BlockHash, tuple[int, float]] = {}
+        self.num_hole_tokens = 0  # tokens recomputed in front of blocks restored behind a hole
+        if self.tiers is not None:
+            self.pool.on_evict = self._spill
 
     null_block_id = NULL_BLOCK_ID
 
@@ -176,22 +225,63 @@ class BlockManager:
         )
 
     def reset_prefix_cache(self) -> int:
-        """Drop all cached (unreferenced) blocks; returns how many."""
-        return self.pool.reset_prefix_cache()
+        """Drop all cached (unreferenced) blocks and every tier's entries; returns how many
+        pool blocks."""
+        dropped = self.pool.reset_prefix_cache()
+        self._block_info = {key: v for key, v in self._block_info.items() if self.pool.lookup(key) is not None}
+        if self.tiers is not None:
+            self.tiers.clear()
+        return dropped
+
+    # -- tiers ----------------------------------------------------------------------------------
+    def _publish(self, block_id: int, key: BlockHash, index: int) -> None:
+        """Index a computed block in the prefix cache (remembering its position for the tiers)."""
+        if self.pool.set_hash(block_id, key) and self.tiers is not None:
+            self._block_info[key] = (index, self.tiers.clock())
+
+    def _spill(self, block_id: int, key: BlockHash) -> None:
+        position, last_used = self._block_info.pop(key, (0, 0.0))
+        self.tiers.spill(key, block_id, position, last_used)  # type: ignore[union-attr]
+
+    def take_tier_ops(self) -> list[TierOp]:
+        """Tier copies (spills of evicted blocks, restores of hits) decided since the last call:
+        run them in order before the step's other copies (a spilled block may be reused by them)."""
+        return self.tiers.take_ops() if self.tiers is not None else []
 
     # -- prefix cache ----------------------------------------------------------
     def _hashes(self, seq: Sequence, num_full_blocks: int) -> list[BlockHash]:
         """The chained hashes of ``seq``'s first ``num_full_blocks`` blocks (or more)."""
         return seq.block_hashes(self.block_size, num_full_blocks)
 
-    def _cached_prefix(self, seq: Sequence) -> list[list[int]]:
-        """Per group, the block ids of the longest prefix cached in every group (>= 1 token left)."""
+    def _lookup(self, group: int, block_hash: BlockHash) -> int | None:
+        key = group_key(group, block_hash)
+        block_id = self.pool.lookup(key)
+        if block_id is None and self.tiers is not None and key in self.tiers:
+            return _TIERED
+        return block_id
+
+    def _cached_prefix(self, seq: Sequence) -> _PrefixPlan:
+        """What allocating ``seq`` now would reuse: the longest prefix cached (pool or tiers) in
+        every group, and with tiers, a later run of cached blocks behind a hole (>= 1 token left)."""
         if not self.enable_prefix_caching:
-            return self._empty()
+            return _PrefixPlan(self._empty(), 0, 0)
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        return prefix_hit(self._hashes(seq, max_blocks)[:max_blocks],
-                          lambda group, block_hash: self.pool.lookup(group_key(group, block_hash)),
-                          self.group_windows, self.block_size)
+        hashes = self._hashes(seq, max_blocks)[:max_blocks]
+        ids: list[list[int | None]] = prefix_hit(hashes, self._lookup, self.group_windows, self.block_size)  # type: ignore[assignment]
+        computed = len(ids[0])
+        if self.tiers is None or any(w is not None for w in self.group_windows):
+            return _PrefixPlan(ids, computed, computed)
+        groups = range(self.num_groups)
+        start = next((i for i in range(computed, max_blocks)
+                      if all(self._lookup(g, hashes[i]) is not None for g in groups)), max_blocks)
+        end = start
+        while end < max_blocks and all(self._lookup(g, hashes[end]) is not None for g in groups):
+            end += 1
+        if end == start:  # nothing cached behind the first miss
+            return _PrefixPlan(ids, computed, computed)
+        for g in groups:
+            ids[g] += [None] * (start - computed) + [self._lookup(g, hashes[i]) for i in range(start, end)]
+        return _PrefixPlan(ids, computed, start)
 
     def hashes_filled_by(self, seq: Sequence, num_new_tokens: int) -> list[BlockHash]:
         """Hashes of the blocks that computing the next ``num_new_tokens`` positions fills."""
@@ -203,24 +293,25 @@ class BlockManager:
         """Hash of the first prompt block a fresh allocation would have to compute (None: all cached)."""
         if not self.enable_prefix_caching:
             return None
-        hits = len(self._cached_prefix(seq)[0])
+        hits = self._cached_prefix(seq).computed
         if hits >= (seq.num_tokens - 1) // self.block_size:
             return None
         return self._hashes(seq, hits + 1)[hits]
 
     def num_cached_prefix_tokens(self, seq: Sequence) -> int:
         """Tokens :meth:`allocate` would take from the cache right now (no side effects)."""
-        return len(self._cached_prefix(seq)[0]) * self.block_size
+        return self._cached_prefix(seq).reused_blocks * self.block_size
 
     # -- admission ---------------------------------------------------------------
-    def _blocks_to_allocate(self, seq: Sequence, hits: list[list[int]]) -> int:
+    def _blocks_to_allocate(self, seq: Sequence, plan: _PrefixPlan) -> int:
         # Reviving a cached hit consumes an evictable block just like a fresh one; the null
         # entries of a sliding group's hit (already out of its window) need no block at all.
         need = seq.num_blocks_needed(self.block_size)
         total = 0
-        for group_hits in hits:
-            revived = sum(1 for b in group_hits if b != NULL_BLOCK_ID and self.pool.ref_count(b) == 0)
-            total += need - len(group_hits) + revived
+        for group_hits in plan.ids:
+            fresh = sum(1 for b in group_hits if b is None or b == _TIERED
+                        or (b != NULL_BLOCK_ID and self.pool.ref_count(b) == 0))
+            total += need - len(group_hits) + fresh
         return total
 
     def blocks_for_admission(self, seq: Sequence) -> int:
@@ -242,27 +333,60 @@ class BlockManager:
         """
         if self.holds_blocks(seq):
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
-        hits = self._cached_prefix(seq)
-        if self._blocks_to_allocate(seq, hits) > self.pool.num_free_or_cached:
+        plan = self._cached_prefix(seq)
+        if self._blocks_to_allocate(seq, plan) > self.pool.num_free_or_cached:
             raise NoFreeBlocksError(f"not enough blocks to allocate sequence {seq.seq_id}")
         # every group's hits first: a fresh block may evict the LRU cached block, which must not
         # be a hit another group is about to revive (it would then sit in two groups' tables)
-        for group_hits in hits:
+        for group_hits in plan.ids:
             for block_id in group_hits:
-                if block_id != NULL_BLOCK_ID:
+                if block_id is not None and block_id not in (NULL_BLOCK_ID, _TIERED):
                     self.pool.incref(block_id)
+        hashes = self._hashes(seq, len(plan.ids[0]))
+        tiered = {group_key(g, hashes[i]) for g, group_hits in enumerate(plan.ids)
+                  for i, b in enumerate(group_hits) if b == _TIERED}
+        if self.tiers is not None:  # fresh blocks may spill others: never drop what is restored here
+            self.tiers.pinned = tiered
         tables = []
-        for group_hits in hits:
-            table = list(group_hits)
-            for _ in range(seq.num_blocks_needed(self.block_size) - len(group_hits)):
+        for g, group_hits in enumerate(plan.ids):
+            table: list[int] = []
+            for i in range(seq.num_blocks_needed(self.block_size)):
+                entry = group_hits[i] if i < len(group_hits) else None
+                if entry is not None and entry != _TIERED:
+                    table.append(entry)
+                    continue
                 table.append(self._allocate_after(table))
+                if entry == _TIERED:
+                    self.tiers.restore(group_key(g, hashes[i]), table[-1])  # type: ignore[union-attr]
+                    self._publish(table[-1], group_key(g, hashes[i]), i)
             tables.append(table)
-        self._of(seq).device = tables
-        cached = len(hits[0]) * self.block_size
+        if self.tiers is not None:
+            self.tiers.pinned = set()
+        held = self._of(seq)
+        held.device = tables
+        bs = self.block_size
+        if plan.resume_start > plan.computed:
+            held.resume = (plan.resume_start * bs, len(plan.ids[0]) * bs)
+            self.num_hole_tokens += (plan.resume_start - plan.computed) * bs
         if self.enable_prefix_caching:
             self._prefix_queries += seq.num_tokens
-            self._prefix_hits += cached
-        return cached
+            self._prefix_hits += plan.reused_blocks * bs
+        return plan.computed * bs
+
+    def computable_tokens(self, seq: Sequence) -> int:
+        """Positions the runner may compute next in one go: all uncomputed ones, or up to a
+        hole's end when blocks restored behind it wait (see the module docstring)."""
+        held = self._held.get(seq.seq_id)
+        if held is not None and held.resume is not None:
+            return held.resume[0] - seq.num_computed_tokens
+        return seq.num_uncomputed_tokens
+
+    def reused_tokens(self, seq: Sequence) -> int:
+        """Of a just-allocated sequence, the tokens whose KV came from the cache: its
+        ``num_computed_tokens`` plus any restored behind a hole."""
+        held = self._held.get(seq.seq_id)
+        resume = held.resume if held is not None else None
+        return seq.num_computed_tokens + (resume[1] - resume[0] if resume is not None else 0)
 
     # -- growth and copy-on-write --------------------------------------------------
     def _blocks_to_append(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -421,7 +545,9 @@ class BlockManager:
             hashes = self._hashes(seq, new_full)
             for g, table in enumerate(tables):
                 for i in range(old_full, new_full):  # never released yet: those lie below old_full
-                    self.pool.set_hash(table[i], group_key(g, hashes[i]))
+                    self._publish(table[i], group_key(g, hashes[i]), i)
+        if held.resume is not None and new_computed == held.resume[0]:  # the hole is computed
+            new_computed, held.resume = held.resume[1], None
         self._release_out_of_window(tables, new_computed, held.evicted)  # hashed first: released full blocks stay cached
         if seq.kv_budget is not None and new_computed == seq.num_tokens:  # prompt done: only decodes from here
             self._evict_over_budget(seq, held, new_computed)
@@ -446,7 +572,8 @@ class BlockManager:
                     self.pool.incref(block_id)
         parent_held = self._held[parent.seq_id]
         self._held[child.seq_id] = _Held([list(table) for table in tables], self._empty(), set(parent_held.evicted),
-                                         dict(parent_held.scores), parent_held.scored_upto, parent_held.hash_limit)
+                                         dict(parent_held.scores), parent_held.scored_upto, parent_held.hash_limit,
+                                         parent_held.resume)
 
     def free(self, seq: Sequence) -> None:
         """Release every device and host block of ``seq`` at once (idempotent); the
@@ -458,6 +585,13 @@ class BlockManager:
         held = self._held.pop(seq.seq_id, None)
         if held is None:
             return
+        if self.tiers is not None:  # the retention value counts idle time from here
+            now = self.tiers.clock()
+            for table in held.device:
+                for block_id in table:
+                    key = self.pool.block_hash(block_id)
+                    if key is not None and key in self._block_info:
+                        self._block_info[key] = (self._block_info[key][0], now)
         for table in held.device:
             for block_id in reversed(table):
                 if block_id != NULL_BLOCK_ID:
@@ -534,7 +668,7 @@ class BlockManager:
                     block_id = self._allocate_after(table)
                     pairs.append((host, block_id))
                     if i < num_full and hashes:
-                        self.pool.set_hash(block_id, group_key(g, hashes[i]))
+                        self._publish(block_id, group_key(g, hashes[i]), i)
                 table.append(block_id)
             tables.append(table)
             self._host_free.extend(host_table)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 
 __all__ = ["NULL_BLOCK_ID", "BlockHash", "BlockPool", "NoFreeBlocksError", "hash_block_tokens"]
@@ -81,6 +82,9 @@ class BlockPool:
         self._by_hash: dict[BlockHash, int] = {}
         self._num_used = 0
         self.num_evictions = 0
+        #: called with (block id, hash) just before a cached block is evicted for reuse, while its
+        #: KV is still intact: the block manager spills it to the host tier there
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     # -- counters ------------------------------------------------------------
     @property
@@ -165,9 +169,12 @@ class BlockPool:
             self._take(block_id)
         elif self._cached:
             block_id, _ = self._cached.popitem(last=False)
-            del self._by_hash[self._hash[block_id]]  # type: ignore[arg-type]
+            block_hash = self._hash[block_id]
+            del self._by_hash[block_hash]  # type: ignore[arg-type]
             self._hash[block_id] = None
             self.num_evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(block_id, block_hash)  # type: ignore[arg-type]
         else:
             raise NoFreeBlocksError("no free or cached device blocks left")
         self._ref[block_id] = 1

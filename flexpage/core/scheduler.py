@@ -213,7 +213,7 @@ class Scheduler:
             budget -= n
 
         def chunk(seq: Sequence) -> int:
-            remaining = seq.num_uncomputed_tokens
+            remaining = bm.computable_tokens(seq)
             if cfg.enable_chunked_prefill:
                 return min(remaining, budget)
             return remaining if remaining <= budget else 0
@@ -271,7 +271,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.num_computed_tokens = bm.allocate(seq)
             if seq.num_output_tokens == 0:  # report prompt tokens only, first admission
-                seq.num_cached_tokens = seq.num_computed_tokens
+                seq.num_cached_tokens = bm.reused_tokens(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             take(seq, chunk(seq))

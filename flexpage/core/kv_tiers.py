@@ -1,0 +1,203 @@
+"""Where the prefix cache's blocks go when the pool needs them back: host and disk tiers.
+
+The pool's prefix cache (:mod:`flexpage.core.block_pool`) keeps every full, computed block
+indexed by its chained content hash after its sequence ends, so the next turn of a chat
+(prompt = history + new message) finds the history's KV. Under load those cached blocks
+are the first thing the pool takes back. With tiers (Pensieve, EuroSys'25) a block the pool
+evicts is *spilled* to a host-memory tier instead of lost; when the host tier is full its
+least valuable entry moves to a disk tier (if there is one) or is dropped, and the disk
+tier drops its least valuable entry when full. A later request whose prefix hashes to a
+tiered block *restores* it into a fresh pool block instead of recomputing it.
+
+**Value.** Pensieve's retention value of a tiered block is ``V = cost(position) / idle``:
+the time recomputing it would take (attention over everything before it, so it grows with
+the block's position) over the time since it was last used. The lowest value goes first:
+of one idle conversation the leading blocks go first, and those are the cheapest to
+recompute -- the block manager recomputes a missing head in front of restored blocks.
+``policy="lru"`` (least recently used first) is there for comparison.
+
+Entries are keyed like the pool (:func:`~flexpage.core.layer_groups.group_key`) and stay
+in their tier after a restore (a later spill of the same content costs nothing). This
+module is bookkeeping only: it hands out :class:`TierOp` s in the order they must run; the
+model runner's tier storage moves the bytes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from flexpage.core.block_pool import BlockHash
+
+__all__ = ["TIER_POLICIES", "KVTiers", "TierOp", "TierOpKind", "TierStats"]
+
+TIER_POLICIES = ("retention", "lru")
+
+
+class TierOpKind(str, Enum):
+    SPILL = "spill"  # device block -> host slot
+    RESTORE = "restore"  # host slot -> device block
+    DEMOTE = "demote"  # host slot -> disk file
+    LOAD = "load"  # disk file -> device block
+    DELETE = "delete"  # disk file removed (dst unused)
+
+
+@dataclass(frozen=True, slots=True)
+class TierOp:
+    """One byte movement; ``src`` and ``dst`` are device block ids, host slots or disk file ids
+    as the kind says. Ops must run in the order given (a host slot may be demoted and then
+    reused by a spill within one step)."""
+
+    kind: TierOpKind
+    src: int
+    dst: int = -1
+
+
+@dataclass(slots=True)
+class _Entry:
+    on_disk: bool
+    slot: int  # host slot, or disk file id
+    position: int  # logical block index in its sequence: what recomputing it would cost
+    last_used: float
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    host_capacity: int  # entries (blocks)
+    host_used: int
+    disk_capacity: int
+    disk_used: int
+    spilled_blocks: int  # device -> host copies made
+    restored_host_blocks: int  # hits served from host memory
+    restored_disk_blocks: int  # hits served from disk
+    demoted_blocks: int  # host -> disk moves
+    dropped_blocks: int  # entries gone for good (recompute if needed again)
+
+
+class KVTiers:
+    """Host and disk tiers behind the pool's prefix cache (see the module docstring)."""
+
+    def __init__(self, host_slots: int, disk_slots: int = 0, *, policy: str = "retention",
+                 cost: Callable[[int], float] = lambda position: 1.0 + position,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``cost(position)``: relative time to recompute the block at logical index ``position``
+        (only ratios matter); ``clock``: seconds, monotonic (tests pass a fake one)."""
+        for name, value in (("host_slots", host_slots), ("disk_slots", disk_slots)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if host_slots == 0 and disk_slots > 0:
+            raise ValueError("a disk tier needs a host tier in front of it (host_slots > 0)")
+        if policy not in TIER_POLICIES:
+            raise ValueError(f"policy must be one of {TIER_POLICIES}, got {policy!r}")
+        self.host_slots, self.disk_slots, self.policy = host_slots, disk_slots, policy
+        self._cost = cost
+        self.clock = clock
+        self._entries: dict[BlockHash, _Entry] = {}
+        self._free_host = list(range(host_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._num_disk = 0
+        self._next_file = 0
+        self._ops: list[TierOp] = []
+        #: keys no eviction may touch (the block manager sets them while it restores them)
+        self.pinned: set[BlockHash] = set()
+        self._counts = dict.fromkeys(("spilled", "host_hits", "disk_hits", "demoted", "dropped"), 0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_slots > 0
+
+    def __contains__(self, key: BlockHash) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def where(self, key: BlockHash) -> str | None:
+        """``"host"``, ``"disk"`` or None."""
+        entry = self._entries.get(key)
+        return None if entry is None else ("disk" if entry.on_disk else "host")
+
+    def stats(self) -> TierStats:
+        c = self._counts
+        return TierStats(self.host_slots, self.host_slots - len(self._free_host), self.disk_slots, self._num_disk,
+                         c["spilled"], c["host_hits"], c["disk_hits"], c["demoted"], c["dropped"])
+
+    # -- moving blocks -----------------------------------------------------------------------
+    def spill(self, key: BlockHash, device_block: int, position: int, last_used: float) -> None:
+        """The pool is about to reuse ``device_block`` (content ``key``, logical index
+        ``position``, last read by a request at ``last_used``): keep a copy in the host tier.
+        Content already tiered costs nothing."""
+        if not self.enabled:
+            return
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry.last_used = max(entry.last_used, last_used)
+            return
+        if not self._free_host and not self._evict_from_host():
+            return  # every host entry is pinned: this block is simply not kept
+        slot = self._free_host.pop()
+        self._entries[key] = _Entry(False, slot, position, last_used)
+        self._ops.append(TierOp(TierOpKind.SPILL, device_block, slot))
+        self._counts["spilled"] += 1
+
+    def restore(self, key: BlockHash, device_block: int) -> None:
+        """Copy tiered content ``key`` into the fresh ``device_block``; the entry stays."""
+        entry = self._entries[key]
+        entry.last_used = self.clock()
+        kind = TierOpKind.LOAD if entry.on_disk else TierOpKind.RESTORE
+        self._ops.append(TierOp(kind, entry.slot, device_block))
+        self._counts["disk_hits" if entry.on_disk else "host_hits"] += 1
+
+    def take_ops(self) -> list[TierOp]:
+        """The byte movements decided since the last call, in the order they must run."""
+        ops, self._ops = self._ops, []
+        return ops
+
+    def clear(self) -> int:
+        """Drop every entry (disk files are deleted by the ops this queues); returns how many."""
+        dropped = len(self._entries)
+        for entry in self._entries.values():
+            if entry.on_disk:
+                self._ops.append(TierOp(TierOpKind.DELETE, entry.slot))
+            else:
+                self._free_host.append(entry.slot)
+        self._entries.clear()
+        self._num_disk = 0
+        return dropped
+
+    # -- policy --------------------------------------------------------------------------------
+    def _value(self, entry: _Entry, now: float) -> float:
+        if self.policy == "lru":
+            return entry.last_used
+        return self._cost(entry.position) / max(now - entry.last_used, 1e-6)
+
+    def _victims(self, on_disk: bool, capacity: int) -> list[BlockHash]:
+        """The lowest-value entries of a tier: 1/64 of its capacity at once (at least one), so
+        that a stream of spills ranks the tier once per batch rather than once per block."""
+        now = self.clock()
+        keys = (key for key, e in self._entries.items() if e.on_disk == on_disk and key not in self.pinned)
+        return heapq.nsmallest(max(1, capacity // 64), keys, key=lambda key: self._value(self._entries[key], now))
+
+    def _evict_from_host(self) -> bool:
+        """Free host slots (moving their entries to disk, or dropping them); False if none could be."""
+        victims = self._victims(False, self.host_slots)
+        for key in victims:
+            entry = self._entries[key]
+            self._free_host.append(entry.slot)
+            if self.disk_slots and self._num_disk == self.disk_slots:
+                for gone in self._victims(True, self.disk_slots):
+                    self._ops.append(TierOp(TierOpKind.DELETE, self._entries.pop(gone).slot))
+                    self._num_disk -= 1
+                    self._counts["dropped"] += 1
+            if self._num_disk == self.disk_slots:  # no disk tier, or every disk entry pinned
+                del self._entries[key]
+                self._counts["dropped"] += 1
+                continue
+            file_id, self._next_file = self._next_file, self._next_file + 1
+            self._ops.append(TierOp(TierOpKind.DEMOTE, entry.slot, file_id))
+            entry.on_disk, entry.slot = True, file_id
+            self._num_disk += 1
+            self._counts["demoted"] += 1
+        return bool(victims)
