@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from flexpage.core import BlockManager, NoFreeBlocksError, Sequence
+from flexpage.core.kv_tiers import KVTiers, TierOp, TierOpKind
 from flexpage.core.layer_groups import blocks_out_of_window
 
 
@@ -471,6 +472,21 @@ class ShadowKV:
         self.bs = block_size
         self.dev: dict[int, list] = {}
         self.host: dict[int, list] = {}
+        self.tier_host: dict[int, list] = {}  # KVTiers' host slots
+        self.disk: dict[int, list] = {}  # KVTiers' disk files
+
+    def apply_tier_ops(self, ops: list[TierOp]) -> None:
+        """Run :class:`KVTiers` ops in order, as the runner's TierStorage does."""
+        where = {TierOpKind.SPILL: (self.dev, self.tier_host), TierOpKind.RESTORE: (self.tier_host, self.dev),
+                 TierOpKind.DEMOTE: (self.tier_host, self.disk), TierOpKind.WRITE: (self.dev, self.disk),
+                 TierOpKind.LOAD: (self.disk, self.dev)}
+        for op in ops:
+            if op.kind is TierOpKind.DELETE:
+                del self.disk[op.src]
+            else:
+                src, dst = where[op.kind]
+                assert op.kind is not TierOpKind.LOAD or op.src in self.disk
+                self.copy([(op.src, op.dst)], src, dst)
 
     def _blk(self, store: dict[int, list], b: int) -> list:
         return store.setdefault(b, [None] * self.bs)
@@ -505,24 +521,39 @@ class BlockManagerMachine(RuleBasedStateMachine):
     group_windows: tuple[int | None, ...] = (None,)
     num_blocks = 9
     kv_budget: int | None = None  # tokens, given to every other new sequence
+    tier_slots: tuple[int, int] = (0, 0)  # KVTiers' host and disk entries
+    tier_policy = "retention"
 
     def __init__(self) -> None:
         super().__init__()
         self.bs = 4
+        ticks = iter(range(1, 1 << 30))
+        tiers = KVTiers(*self.tier_slots, policy=self.tier_policy, clock=lambda: float(next(ticks)))
         self.bm = BlockManager(self.num_blocks, self.bs, enable_prefix_caching=self.prefix_caching, num_host_blocks=8,
-                               run_length=self.run_length, group_windows=self.group_windows)
+                               run_length=self.run_length, group_windows=self.group_windows, tiers=tiers)
         self.kv = ShadowKV(self.bs)
         self.live: dict[int, Sequence] = {}
         self.family: dict[int, int] = {}
         self.next_id = 0
+        self.finished: list[list[int]] = []  # token ids of freed sequences: chats to continue
 
     def _pick(self, data: st.DataObject, pred) -> Sequence | None:
         ids = sorted(i for i, s in self.live.items() if pred(s))
         return self.live[data.draw(st.sampled_from(ids))] if ids else None
 
+    def _tier_ops(self) -> None:
+        self.kv.apply_tier_ops(self.bm.take_tier_ops())
+
+    def _restored_range(self, seq: Sequence) -> range:
+        """Positions restored behind a hole that computing has not reached yet."""
+        start = seq.num_computed_tokens + self.bm.computable_tokens(seq)
+        return range(start, start + self.bm.reused_tokens(seq) - seq.num_computed_tokens)
+
     def _compute(self, seq: Sequence, n: int) -> None:
         start = seq.num_computed_tokens
-        self.kv.copy(self.bm.append_slots(seq, n), self.kv.dev, self.kv.dev)
+        copies = self.bm.append_slots(seq, n)
+        self._tier_ops()  # first: a block spilled here may be a copy's destination
+        self.kv.copy(copies, self.kv.dev, self.kv.dev)
         for table in self.bm.block_tables(seq):
             for p in range(start, start + n):  # the runner only ever writes exclusively owned blocks
                 block = table[p // self.bs]
@@ -549,15 +580,32 @@ class BlockManagerMachine(RuleBasedStateMachine):
             with pytest.raises(NoFreeBlocksError):
                 seq.num_computed_tokens = self.bm.allocate(seq)
             return
-        seq.num_computed_tokens = self.bm.allocate(seq)
+        self._admit(seq)  # cache hits, and blocks restored behind a hole, carry exactly this prefix's KV
         assert seq.num_computed_tokens % self.bs == 0
         assert seq.num_computed_tokens <= seq.num_tokens - 1
-        self.kv.check(self.bm.block_tables(seq), seq)  # cache hits must carry exactly this prefix's KV
+        n = self.bm.computable_tokens(seq)
+        if prefill and self.bm.can_append_slots(seq, n):
+            self._compute(seq, n)
+
+    @rule(data=st.data(), suffix=st.lists(st.integers(0, 3), min_size=1, max_size=6))
+    def next_turn(self, data: st.DataObject, suffix: list[int]) -> None:
+        """A chat's next turn: a freed sequence's tokens plus a new message."""
+        if not self.finished:
+            return
+        seq = Sequence(self.next_id, data.draw(st.sampled_from(self.finished)) + suffix)
+        if self.bm.can_allocate(seq):
+            self._admit(seq)
+
+    def _admit(self, seq: Sequence) -> None:
+        seq.num_computed_tokens = self.bm.allocate(seq)
+        self._tier_ops()
+        self.kv.check(self.bm.block_tables(seq), seq)
+        for p in self._restored_range(seq):
+            got = self.kv._blk(self.kv.dev, self.bm.block_table(seq)[p // self.bs])[p % self.bs]
+            assert got == tuple(seq.token_ids[: p + 1]), (seq, p, got)
         self.live[seq.seq_id] = seq
         self.family[seq.seq_id] = seq.seq_id
         self.next_id += 1
-        if prefill and self.bm.can_append_slots(seq, seq.num_uncomputed_tokens):
-            self._compute(seq, seq.num_uncomputed_tokens)
 
     @rule(token=st.integers(4, 7))
     def pressure(self, token: int) -> None:
@@ -565,17 +613,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         want = self.bm.stats().free // len(self.group_windows) + 1
         seq = Sequence(self.next_id, [token] * (want * self.bs))
         if self.bm.can_allocate(seq):
-            seq.num_computed_tokens = self.bm.allocate(seq)
-            self.live[seq.seq_id] = seq
-            self.family[seq.seq_id] = seq.seq_id
-            self.next_id += 1
+            self._admit(seq)
 
     @rule(data=st.data())
     def compute(self, data: st.DataObject) -> None:
         seq = self._pick(data, lambda s: self.bm.block_table(s) and s.num_uncomputed_tokens > 0)
         if seq is None:
             return
-        n = data.draw(st.integers(1, seq.num_uncomputed_tokens))
+        n = data.draw(st.integers(1, self.bm.computable_tokens(seq)))
         if self.bm.can_append_slots(seq, n):
             self._compute(seq, n)
 
@@ -603,6 +648,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def free(self, data: st.DataObject) -> None:
         seq = self._pick(data, lambda s: True)
         if seq is not None:
+            if seq.num_computed_tokens:
+                self.finished.append(list(seq.token_ids))
             self.bm.free(seq)
             self.bm.free(seq)
             del self.live[seq.seq_id]
@@ -622,11 +669,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = self._pick(data, lambda s: self.bm.host_block_tables(s)[0])
         if seq is None or not self.bm.can_swap_in(seq):
             return
-        self.kv.copy(self.bm.swap_in(seq), self.kv.host, self.kv.dev)
+        pairs = self.bm.swap_in(seq)
+        self._tier_ops()
+        self.kv.copy(pairs, self.kv.host, self.kv.dev)
 
     @rule()
     def reset_prefix_cache(self) -> None:
         self.bm.reset_prefix_cache()
+        self._tier_ops()
+        assert not self.kv.disk and (self.bm.tiers is None or len(self.bm.tiers) == 0)
 
     @invariant()
     def consistent(self) -> None:
@@ -637,6 +688,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         stats = bm.stats()
         assert stats.free + stats.cached + stats.used == stats.total - 1
         assert stats.used == len(refs)
+        if bm.tiers is not None:  # every entry in exactly one tier, within its cap; a file per disk entry
+            tiers = bm.tiers.stats()
+            assert tiers.host_used <= tiers.host_capacity and tiers.disk_used <= tiers.disk_capacity
+            assert len(bm.tiers) == tiers.host_used + tiers.disk_used and len(self.kv.disk) == tiers.disk_used
         assert stats.free == sum(bm.pool.is_free(b) for b in range(bm.num_blocks))
         hosts = [h for s in live for t in self.bm.host_block_tables(s) for h in t]
         assert len(hosts) == len(set(hosts)) == stats.host_used
@@ -681,6 +736,30 @@ class BlockManagerMachine(RuleBasedStateMachine):
         stats = self.bm.stats()
         assert stats.free + stats.cached == stats.total - 1
         assert stats.used == 0 and stats.host_free == stats.host_total
+
+
+class TierMachine(BlockManagerMachine):
+    """Host and disk tiers behind a small pool: spills, restores, loads, drops, holes."""
+
+    tier_slots = (2, 3)
+
+
+class HostTierLRUMachine(BlockManagerMachine):
+    tier_slots = (4, 0)
+    tier_policy = "lru"
+
+
+class TierRunsMachine(BlockManagerMachine):
+    tier_slots = (2, 2)
+    run_length = 4
+
+
+class TierHybridMachine(BlockManagerMachine):
+    """Tiers with a sliding layer group (no holes there: a sliding group's hit depends on its window)."""
+
+    tier_slots = (4, 2)
+    group_windows = (None, 6)
+    num_blocks = 17
 
 
 class NoPrefixCacheMachine(BlockManagerMachine):
@@ -736,7 +815,8 @@ class BudgetHybridMachine(BlockManagerMachine):
 
 _machine_settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 for _machine in (BlockManagerMachine, NoPrefixCacheMachine, RunsMachine, SlidingMachine, HybridMachine,
-                 HybridRunsMachine, BudgetMachine, BudgetRunsMachine, BudgetHybridMachine):
+                 HybridRunsMachine, BudgetMachine, BudgetRunsMachine, BudgetHybridMachine, TierMachine,
+                 HostTierLRUMachine, TierRunsMachine, TierHybridMachine):
     _case = _machine.TestCase
     _case.settings = _machine_settings
     globals()[f"Test{_machine.__name__}"] = _case  # collected by pytest as TestBlockManagerMachine, ...

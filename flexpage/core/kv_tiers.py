@@ -41,6 +41,7 @@ class TierOpKind(str, Enum):
     SPILL = "spill"  # device block -> host slot
     RESTORE = "restore"  # host slot -> device block
     DEMOTE = "demote"  # host slot -> disk file
+    WRITE = "write"  # device block -> disk file (a spill worth less than the whole host tier)
     LOAD = "load"  # disk file -> device block
     DELETE = "delete"  # disk file removed (dst unused)
 
@@ -70,10 +71,10 @@ class TierStats:
     host_used: int
     disk_capacity: int
     disk_used: int
-    spilled_blocks: int  # device -> host copies made
+    spilled_blocks: int  # blocks the pool evicted into the tiers (kept or not)
     restored_host_blocks: int  # hits served from host memory
     restored_disk_blocks: int  # hits served from disk
-    demoted_blocks: int  # host -> disk moves
+    demoted_blocks: int  # host -> disk moves (and spills straight to disk)
     dropped_blocks: int  # entries gone for good (recompute if needed again)
 
 
@@ -127,20 +128,26 @@ class KVTiers:
     # -- moving blocks -----------------------------------------------------------------------
     def spill(self, key: BlockHash, device_block: int, position: int, last_used: float) -> None:
         """The pool is about to reuse ``device_block`` (content ``key``, logical index
-        ``position``, last read by a request at ``last_used``): keep a copy in the host tier.
-        Content already tiered costs nothing."""
+        ``position``, last read by a request at ``last_used``): keep a copy in the host tier,
+        or, if it is worth less than everything there, on disk or nowhere. Content already
+        tiered costs nothing."""
         if not self.enabled:
             return
         entry = self._entries.get(key)
         if entry is not None:
             entry.last_used = max(entry.last_used, last_used)
             return
-        if not self._free_host and not self._evict_from_host():
-            return  # every host entry is pinned: this block is simply not kept
-        slot = self._free_host.pop()
-        self._entries[key] = _Entry(False, slot, position, last_used)
-        self._ops.append(TierOp(TierOpKind.SPILL, device_block, slot))
+        entry = _Entry(False, -1, position, last_used)
         self._counts["spilled"] += 1
+        if not self._free_host:
+            for victim in self._victims(False, self.host_slots, key, entry):
+                if victim == key:  # worth less than every host entry: straight down
+                    self._move_down(key, entry, device_block)
+                    return
+                self._move_down(victim, self._entries[victim])
+        entry.slot = self._free_host.pop()
+        self._entries[key] = entry
+        self._ops.append(TierOp(TierOpKind.SPILL, device_block, entry.slot))
 
     def restore(self, key: BlockHash, device_block: int) -> None:
         """Copy tiered content ``key`` into the fresh ``device_block``; the entry stays."""
@@ -173,31 +180,39 @@ class KVTiers:
             return entry.last_used
         return self._cost(entry.position) / max(now - entry.last_used, 1e-6)
 
-    def _victims(self, on_disk: bool, capacity: int) -> list[BlockHash]:
-        """The lowest-value entries of a tier: 1/64 of its capacity at once (at least one), so
-        that a stream of spills ranks the tier once per batch rather than once per block."""
+    def _victims(self, on_disk: bool, capacity: int, key: BlockHash, entry: _Entry) -> list[BlockHash]:
+        """The lowest-value entries of a tier, counting ``entry`` (arriving as ``key``) among
+        them: 1/64 of the tier's capacity at once (at least one), so that a stream of spills
+        ranks the tier once per batch rather than once per block. Pinned entries never go."""
         now = self.clock()
-        keys = (key for key, e in self._entries.items() if e.on_disk == on_disk and key not in self.pinned)
-        return heapq.nsmallest(max(1, capacity // 64), keys, key=lambda key: self._value(self._entries[key], now))
+        candidates = {k: e for k, e in self._entries.items() if e.on_disk == on_disk and k not in self.pinned}
+        candidates[key] = entry
+        return heapq.nsmallest(max(1, capacity // 64), candidates, key=lambda k: self._value(candidates[k], now))
 
-    def _evict_from_host(self) -> bool:
-        """Free host slots (moving their entries to disk, or dropping them); False if none could be."""
-        victims = self._victims(False, self.host_slots)
-        for key in victims:
-            entry = self._entries[key]
+    def _move_down(self, key: BlockHash, entry: _Entry, device_block: int | None = None) -> None:
+        """``entry`` leaves the host tier (or, with ``device_block``, never enters it): to disk
+        if there is one and it is worth more than what disk would drop for it, else gone."""
+        if not entry.on_disk and device_block is None:
             self._free_host.append(entry.slot)
-            if self.disk_slots and self._num_disk == self.disk_slots:
-                for gone in self._victims(True, self.disk_slots):
-                    self._ops.append(TierOp(TierOpKind.DELETE, self._entries.pop(gone).slot))
+        keep = self.disk_slots > 0
+        if keep and self._num_disk == self.disk_slots:
+            victims = self._victims(True, self.disk_slots, key, entry)
+            for victim in victims:
+                if victim != key:
+                    self._ops.append(TierOp(TierOpKind.DELETE, self._entries.pop(victim).slot))
                     self._num_disk -= 1
                     self._counts["dropped"] += 1
-            if self._num_disk == self.disk_slots:  # no disk tier, or every disk entry pinned
-                del self._entries[key]
-                self._counts["dropped"] += 1
-                continue
-            file_id, self._next_file = self._next_file, self._next_file + 1
+            keep = key not in victims
+        if not keep:
+            self._entries.pop(key, None)
+            self._counts["dropped"] += 1
+            return
+        file_id, self._next_file = self._next_file, self._next_file + 1
+        if device_block is None:
             self._ops.append(TierOp(TierOpKind.DEMOTE, entry.slot, file_id))
-            entry.on_disk, entry.slot = True, file_id
-            self._num_disk += 1
-            self._counts["demoted"] += 1
-        return bool(victims)
+        else:
+            self._ops.append(TierOp(TierOpKind.WRITE, device_block, file_id))
+        entry.on_disk, entry.slot = True, file_id
+        self._entries[key] = entry
+        self._num_disk += 1
+        self._counts["demoted"] += 1

@@ -77,10 +77,12 @@ class TierStorage:
             i = j
 
     def _disk(self, op: TierOp) -> None:
-        if op.kind is TierOpKind.DEMOTE:
+        if op.kind in (TierOpKind.DEMOTE, TierOpKind.WRITE):
             path = self._file(op.dst)
             tmp = path.with_suffix(".tmp")
-            save_file({"kv": self.host[:, self._host_slots([op.src])].contiguous()}, tmp)
+            data = (self.host[:, self._host_slots([op.src])] if op.kind is TierOpKind.DEMOTE
+                    else self.pool.read_blocks([op.src]))
+            save_file({"kv": data.contiguous()}, tmp)
             os.replace(tmp, path)
             self.disk_bytes += path.stat().st_size
         elif op.kind is TierOpKind.LOAD:
