@@ -139,6 +139,13 @@ def serve(
                                                        "Requests may set their own (kv_budget)."),
     kv_eviction: str = typer.Option("paged_eviction", help="Which blocks go over the budget: paged_eviction | "
                                                            "streaming_llm | key_norm | none | module:attr | file.py."),
+    host_kv_bytes: str = typer.Option("0", help="Host memory for prefix-cache blocks the pool evicts (chat "
+                                                "history across turns), e.g. 4GiB; 0: none."),
+    disk_kv_dir: Optional[str] = typer.Option(None, help="Directory of a disk tier behind the host tier (its files "
+                                                         "are deleted at start and exit)."),
+    disk_kv_bytes: str = typer.Option("0", help="Disk tier size, e.g. 20GiB (with --disk-kv-dir)."),
+    kv_tier_policy: str = typer.Option("retention", help="What the tiers drop first: retention (Pensieve: lowest "
+                                                         "recompute cost / idle time) | lru."),
     seed: int = typer.Option(0, help="Seed of the engine's shared RNG (unseeded requests)."),
     max_request_body: str = typer.Option("4MiB", help="Largest request body accepted; larger ones get 413."),
     drain_timeout: float = typer.Option(30.0, help="Seconds Ctrl-C waits for in-flight requests before aborting them."),
@@ -167,7 +174,8 @@ def serve(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, eager=eager,
         compile_step=not no_compile_step, model_impl=model_impl, recipe=recipe_choice, deterministic=deterministic,
         enable_prefix_caching=not no_prefix_caching, swap_space=swap_space, preemption_mode=preemption_mode,
-        kv_budget_tokens=kv_budget, kv_eviction=kv_eviction, seed=seed, max_request_body=max_request_body,
+        kv_budget_tokens=kv_budget, kv_eviction=kv_eviction, host_kv_bytes=host_kv_bytes, disk_kv_dir=disk_kv_dir,
+        disk_kv_bytes=disk_kv_bytes, kv_tier_policy=kv_tier_policy, seed=seed, max_request_body=max_request_body,
         drain_timeout=drain_timeout, warmup=warmup,
         log_level=log_level,
     )
@@ -177,6 +185,28 @@ def serve(
         Console(stderr=True).print(f"[red]error:[/red] {error}")
         raise typer.Exit(2) from error
     raise typer.Exit(code)
+
+
+@app.command()
+def top(
+    url: str = typer.Option("http://127.0.0.1:8000", help="The flexpage server to watch."),
+    api_key: Optional[str] = typer.Option(None, envvar="FLEXPAGE_API_KEY", show_envvar=True,
+                                          help="The server's API key (GET /v1/kv is behind it)."),
+    interval: float = typer.Option(1.0, help="Seconds between refreshes."),
+    once: bool = typer.Option(False, "--once", help="Print one frame and exit."),
+) -> None:
+    """Watch a server's KV cache live: the pool block by block, tiers, hit rates, conversations, requests."""
+    from rich.console import Console
+
+    from flexpage.top import run_top
+
+    try:
+        run_top(url, api_key, interval, once)
+    except KeyboardInterrupt:
+        pass
+    except Exception as error:  # noqa: BLE001 - a clear line, not a traceback, for a wrong URL or key
+        Console(stderr=True).print(f"[red]error:[/red] {error}")
+        raise typer.Exit(1) from error
 
 
 def main() -> None:

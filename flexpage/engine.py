@@ -17,11 +17,13 @@ from typing import Any, Union
 import torch
 
 from flexpage.config import EngineConfig, check_kv_budget, parse_size
+from flexpage.conversations import ConversationRegistry
 from flexpage.core.block_manager import BlockManager
 from flexpage.core.kv_tiers import KVTiers
 from flexpage.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from flexpage.core.sequence import Sequence, SequenceStatus
 from flexpage.errors import InvalidParameter
+from flexpage.kv_view import kv_view
 from flexpage.model.detokenizer import IncrementalDetokenizer
 from flexpage.model.kv_eviction import block_scores, resolve_eviction_policy
 from flexpage.model.kv_tier_storage import TierStorage
@@ -64,6 +66,7 @@ class Request:
     first_token_time: float | None = None
     kv_budget: int | None = None
     block_size: int = 0
+    conversation: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -136,6 +139,8 @@ class LLMEngine:
         self._generator = torch.Generator().manual_seed(config.seed)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0}
         self._failures: dict[str, str] = {}  # see take_failures
+        #: per conversation id: turns and how much of their history the cache served
+        self.conversations = ConversationRegistry()
 
     # -- requests ------------------------------------------------------------------
     def prepare_prompt(self, prompt: PromptInput) -> dict[str, Any]:
@@ -149,8 +154,17 @@ class LLMEngine:
         return {"prompt": text, "prompt_token_ids": token_ids}
 
     def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Validate and queue one request; raises ValueError before anything is scheduled."""
+                    request_id: str | None = None, *, conversation_id: str | None = None,
+                    cache_salt: str | None = None) -> str:
+        """Validate and queue one request; raises ValueError before anything is scheduled.
+
+        ``conversation_id``: the chat this turn belongs to (see :mod:`flexpage.conversations`);
+        ``cache_salt``: share prefix-cache blocks only with requests of the same salt.
+        """
+        for name, value in (("conversation_id", conversation_id), ("cache_salt", cache_salt)):
+            if value is not None and (not isinstance(value, str) or not value or len(value) > 256):
+                raise InvalidParameter(name, f"{name}: got {value!r}, expected a non-empty string of at most 256 "
+                                             "characters")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidParameter("sampling_params",
@@ -162,10 +176,10 @@ class LLMEngine:
             raise InvalidParameter("request_id", f"request_id: {request_id!r} is already in flight")
         kv_budget = self._kv_budget(params)
         request = Request(request_id, text, token_ids, params, time.monotonic(), kv_budget=kv_budget,
-                          block_size=self.config.block_size)
+                          block_size=self.config.block_size, conversation=conversation_id)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
         seq = Sequence(next(self._seq_ids), token_ids, max_tokens=max_tokens, request=request, num_samples=params.n,
-                       kv_budget=kv_budget)
+                       kv_budget=kv_budget, cache_salt=cache_salt, conversation=conversation_id)
         self.scheduler.add(seq)
         self._attach_sample(request, seq)
         self.requests[request_id] = request
@@ -516,6 +530,10 @@ class LLMEngine:
         if request.finished:
             self.requests.pop(request.request_id, None)
             self.counters["finished_requests"] += 1
+            if request.conversation is not None and status is not SequenceStatus.FINISHED_ABORTED:
+                self.conversations.record_turn(request.conversation, len(request.prompt_token_ids),
+                                               len(request.outputs[0].token_ids), request.num_cached_tokens,
+                                               time.monotonic())
 
     # -- observability -----------------------------------------------------------------
     def stats(self) -> dict[str, float]:
@@ -561,7 +579,12 @@ class LLMEngine:
             "kv_restored_disk_tokens": (t.restored_disk_blocks if t else 0) * size,
             "kv_dropped_tokens": (t.dropped_blocks if t else 0) * size,
             "kv_hole_recomputed_tokens": self.block_manager.num_hole_tokens,
+            **{f"conversation_{name}": value for name, value in self.conversations.totals.items()},
         }
+
+    def kv_view(self) -> dict[str, Any]:
+        """The KV cache block by block, its tiers, conversations and requests (see flexpage.kv_view)."""
+        return kv_view(self)
 
     def kv_utilization(self) -> float:
         """Token states stored / token slots allocated, over the blocks live sequences hold."""

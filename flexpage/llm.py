@@ -27,19 +27,23 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         on_progress: Callable[[RequestOutput], None] | None = None,
+        conversation_id: str | Seq[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in prompt order.
 
         Every prompt and parameter set is validated before any is queued, so a bad one
-        raises ``ValueError`` and nothing runs.
+        raises ``ValueError`` and nothing runs. ``conversation_id`` (one, or one per prompt)
+        names the chat each prompt continues (see :mod:`flexpage.conversations`).
         """
         prompt_list = _as_list(prompts)
         params = _params_list(sampling_params, len(prompt_list))
+        conversations = _conversation_list(conversation_id, len(prompt_list))
         for p in params:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params: got {type(p).__name__}, expected SamplingParams")
         prepared = [self.engine.prepare_prompt(prompt) for prompt in prompt_list]  # raises before queueing
-        ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prepared, params)]
+        ids = [self.engine.add_request(prompt, p, conversation_id=conv)
+               for prompt, p, conv in zip(prepared, params, conversations)]
         results: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             outputs = self.engine.step()
@@ -61,15 +65,19 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        conversation_id: str | Seq[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Apply the tokenizer's chat template to each conversation, then generate.
+
+        ``conversation_id`` (one per conversation) names each chat: its turns' KV is kept and
+        counted as one conversation's (see :mod:`flexpage.conversations`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             {"prompt_token_ids": list(self.engine.tokenizer.apply_chat_template(
                 conv, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False))}
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, conversation_id=conversation_id)
 
 
 def _as_list(prompts: Any) -> list[PromptInput]:
@@ -82,6 +90,18 @@ def _as_list(prompts: Any) -> list[PromptInput]:
             f"prompts: got {type(prompts).__name__}, expected a str, a list of token ids, a dict or a list of those"
         )
     return list(prompts)
+
+
+def _conversation_list(conversation_id: Any, count: int) -> list[str | None]:
+    if conversation_id is None or isinstance(conversation_id, str):
+        if isinstance(conversation_id, str) and count > 1:
+            raise ValueError(f"conversation_id: one id for {count} prompts; pass one per prompt "
+                             "(a conversation has one turn in flight at a time)")
+        return [conversation_id] * count
+    ids = list(conversation_id)
+    if len(ids) != count:
+        raise ValueError(f"conversation_id: got {len(ids)} entries for {count} prompts")
+    return ids
 
 
 def _params_list(params: Any, count: int) -> list[SamplingParams]:

@@ -365,3 +365,60 @@ def test_a_later_turn_equals_a_stateless_recompute_of_the_whole_history(tiers, r
         assert restored == 4 * BLOCK and stats["kv_hole_recomputed_tokens"] == (history_blocks - 4) * BLOCK
     else:  # LRU kept the 4 spilled last, which the pool evicts tail first: the leading ones
         assert restored == 4 * BLOCK and stats["kv_hole_recomputed_tokens"] == 0
+
+
+@pytest.mark.usefixtures("kv_blocks_returned")
+def test_conversations_count_reused_history_and_the_view_shows_them(tiny_model, llm_factory):
+    from rich.console import Console
+
+    from flexpage.top import render
+
+    llm = llm_factory(tiny_model("llama"), num_blocks=40, host_kv_bytes=8 * TINY_LLAMA_BLOCK_BYTES)
+    first, message = random_prompts((60, 10), seed=12)
+    reply = llm.generate([first], TURN, conversation_id="chat-a")[0].outputs[0].token_ids
+    second = llm.generate([first + reply + message], TURN, conversation_id="chat-a")[0]
+    conv = llm.engine.conversations.get("chat-a")
+    history = len(first) + len(reply)
+    assert conv.turns == 2 and conv.history_tokens == history + len(message) + 16
+    assert conv.reused_tokens == second.num_cached_tokens == (history - 1) // BLOCK * BLOCK
+    assert conv.recomputed_tokens == history - conv.reused_tokens
+    view = llm.engine.kv_view()
+    assert sum(view["pool"].values()) == len(view["blocks"]) == 39
+    [entry] = [c for c in view["conversations"] if c["id"] == "chat-a"]
+    assert entry["pool_blocks"] == view["blocks"].count("c") and entry["turns"] == 2
+    assert all(view["owners"][o] == "chat-a" for o, s in zip(view["owner_of"], view["blocks"]) if s == "c")
+    console = Console(width=100, record=True)
+    console.print(render(view, width=100))
+    frame = console.export_text()
+    assert "KV pool: 39 blocks of 8 tokens" in frame and "chat-a" in frame
+    with pytest.raises(ValueError, match="one id for 2 prompts"):
+        llm.generate([first, message], TURN, conversation_id="chat-a")
+    with pytest.raises(ValueError, match="conversation_id"):
+        llm.generate([first], TURN, conversation_id="")
+
+
+def test_salted_requests_share_blocks_only_with_the_same_salt():
+    bm = BlockManager(16, BS)
+    kv = ShadowKV(BS)
+    tokens = list(range(1, 14))
+    for seq_id, salt in enumerate(("key-a", "key-a", "key-b", None)):
+        seq = Sequence(seq_id, tokens, cache_salt=salt)
+        admit(bm, kv, seq)
+        hit = seq.num_computed_tokens
+        compute_all(bm, kv, seq)
+        bm.free(seq)
+        assert hit == (12 if seq_id == 1 else 0), (salt, hit)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(disk_kv_dir="/tmp/x", disk_kv_bytes="1GiB"), "a disk tier needs host_kv_bytes"),
+    (dict(host_kv_bytes="1GiB", disk_kv_dir="/tmp/x"), "go together"),
+    (dict(host_kv_bytes="1GiB", enable_prefix_caching=False), "enable_prefix_caching"),
+    (dict(host_kv_bytes="1GiB", kv_tier_policy="fifo"), "kv_tier_policy"),
+    (dict(host_kv_bytes="lots"), "host_kv_bytes: got 'lots'"),
+])
+def test_bad_tier_configs_name_the_setting(settings, message):
+    from flexpage.config import EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**settings)

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +31,7 @@ from flexpage.config import EngineConfig
 pytestmark = pytest.mark.slow
 
 API_KEY = "test-key-123"
+OTHER_KEY = "second-key-456"  # the server accepts both; each scopes its own conversations
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK = EngineConfig().block_size  # the server runs with the engine's default block size
 MAX_MODEL_LEN = 1024
@@ -54,7 +58,8 @@ STOP = ["\n", "3."]
 @pytest.fixture(scope="module")
 def _started(default_model_path: Any) -> Any:
     server = ServerProcess("--dtype", "float32", "--num-blocks", "512", "--max-num-seqs", "16",
-                           "--max-model-len", str(MAX_MODEL_LEN), "--drain-timeout", "60", api_key=API_KEY)
+                           "--max-model-len", str(MAX_MODEL_LEN), "--drain-timeout", "60",
+                           "--api-key", f"{API_KEY},{OTHER_KEY}", "--host-kv-bytes", "64MiB", api_key=API_KEY)
     server.start()
     yield server
     server.stop()
@@ -551,6 +556,58 @@ def test_a_request_with_a_kv_budget_evicts_and_says_so_in_metrics(server: Server
     assert after["flexpage_kv_evicted_blocks_total"] > before
     assert after["flexpage_kv_evicted_tokens_total"] == 8 * after["flexpage_kv_evicted_blocks_total"]
     assert after["flexpage_kv_blocks_used"] == 0
+
+
+def test_a_conversation_id_is_scoped_by_api_key(server: ServerProcess) -> None:
+    """The same conversation id and prompt under two keys: only the key that computed the KV reuses it."""
+    prompt = "Tell me everything about the history of lighthouses. " * 6
+    other = {"Authorization": f"Bearer {OTHER_KEY}"}
+
+    def turn(headers: dict, **extra: Any) -> int:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, **extra}
+        response = _post(server, "/v1/completions", body, headers=headers)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    conversation = {**server.headers, "X-Conversation-Id": "lighthouses"}
+    assert turn(conversation) == 0
+    assert turn(conversation) > 0  # the same key and conversation: its KV is back
+    assert turn({**other, "X-Conversation-Id": "lighthouses"}) == 0  # another key, the same id: nothing shared
+    assert turn(other, user="lighthouses") > 0  # `user` names the conversation too; now the other key's KV
+    mine = httpx.get(server.base_url + "/v1/kv", headers=server.headers, timeout=30).json()
+    theirs = httpx.get(server.base_url + "/v1/kv", headers=other, timeout=30).json()
+    assert [(c["id"], c["turns"]) for c in mine["conversations"] if c["id"] == "lighthouses"] == [("lighthouses", 2)]
+    assert [(c["id"], c["turns"]) for c in theirs["conversations"] if c["id"] == "lighthouses"] == [("lighthouses", 2)]
+    assert "another key" in mine["owners"] and "lighthouses" in mine["owners"]
+    assert not any(OTHER_KEY in str(o) or API_KEY in str(o) for o in mine["owners"] + theirs["owners"])
+    _assert_error(httpx.get(server.base_url + "/v1/kv"), 401, code="invalid_api_key")
+    too_long = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1},
+                     headers={**server.headers, "X-Conversation-Id": "c" * 300})
+    _assert_error(too_long, 400, param="user")
+
+
+def test_the_kv_view_accounts_for_every_block(server: ServerProcess) -> None:
+    server.wait_idle(timeout=60)
+    view = httpx.get(server.base_url + "/v1/kv", headers=server.headers, timeout=30).json()
+    assert len(view["blocks"]) == len(view["owner_of"]) == 511 and set(view["blocks"]) <= set(".cus")
+    assert sum(view["pool"].values()) == 511 and view["pool"]["used"] == view["pool"]["shared"] == 0
+    assert view["pool"]["cached"] == view["blocks"].count("c") > 0
+    assert all(view["owners"][i] is not None for i, state in zip(view["owner_of"], view["blocks"]) if state == "c")
+    host = view["tiers"]["host"]
+    assert view["tiers"]["policy"] == "retention" and host["bytes_total"] <= 64 << 20 < host["bytes_total"] + (1 << 20)
+    metrics = server.metrics()
+    assert metrics["flexpage_kv_host_tier_bytes"] == host["bytes_used"]
+    for name in ("kv_spilled_tokens", "kv_restored_host_tokens", "kv_restored_disk_tokens", "kv_dropped_tokens",
+                 "conversation_turns", "conversation_reused_tokens", "conversation_recomputed_tokens"):
+        assert f"flexpage_{name}_total" in metrics
+    assert metrics["flexpage_conversation_turns_total"] >= 4
+    top = subprocess.run([sys.executable, "-m", "flexpage.cli", "top", "--url", server.base_url, "--api-key", API_KEY,
+                          "--once"], capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "100"})
+    assert top.returncode == 0, top.stderr
+    assert "KV pool: 511 blocks of 8 tokens" in top.stdout and "lighthouses" in top.stdout
+    wrong = subprocess.run([sys.executable, "-m", "flexpage.cli", "top", "--url", server.base_url, "--api-key", "nope",
+                            "--once"], capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 1 and "HTTP 401" in wrong.stderr
 
 
 def test_metrics_after_everything(server: ServerProcess) -> None:

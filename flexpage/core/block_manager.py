@@ -156,8 +156,9 @@ class BlockManager:
         self._relocations: list[tuple[int, int]] = []  # see take_relocations
         self._held: dict[int, _Held] = {}  # by seq_id; dropped by free()
         self.tiers = tiers if tiers is not None and tiers.enabled and self.enable_prefix_caching else None
-        #: of each hashed pool block: its logical block index and when a sequence last released it
-        self._block_info: dict[BlockHash, tuple[int, float]] = {}
+        #: of each hashed pool block: its logical block index, when a sequence last released it and
+        #: the conversation that computed it (None: no conversation)
+        self._block_info: dict[BlockHash, tuple[int, float, str | None]] = {}
         self.num_hole_tokens = 0  # tokens recomputed in front of blocks restored behind a hole
         if self.tiers is not None:
             self.pool.on_evict = self._spill
@@ -234,14 +235,21 @@ class BlockManager:
         return dropped
 
     # -- tiers ----------------------------------------------------------------------------------
-    def _publish(self, block_id: int, key: BlockHash, index: int) -> None:
-        """Index a computed block in the prefix cache (remembering its position for the tiers)."""
+    def _publish(self, block_id: int, key: BlockHash, index: int, owner: str | None) -> None:
+        """Index a computed block in the prefix cache (remembering, for the tiers, its position
+        and owner)."""
         if self.pool.set_hash(block_id, key) and self.tiers is not None:
-            self._block_info[key] = (index, self.tiers.clock())
+            self._block_info[key] = (index, self.tiers.clock(), owner)
 
     def _spill(self, block_id: int, key: BlockHash) -> None:
-        position, last_used = self._block_info.pop(key, (0, 0.0))
-        self.tiers.spill(key, block_id, position, last_used)  # type: ignore[union-attr]
+        position, last_used, owner = self._block_info.pop(key, (0, 0.0, None))
+        self.tiers.spill(key, block_id, position, last_used, owner)  # type: ignore[union-attr]
+
+    def cached_block_owner(self, block_id: int) -> str | None:
+        """The conversation that computed a hashed pool block (None: unknown or none)."""
+        key = self.pool.block_hash(block_id)
+        info = self._block_info.get(key) if key is not None else None
+        return info[2] if info is not None else None
 
     def take_tier_ops(self) -> list[TierOp]:
         """Tier copies (spills of evicted blocks, restores of hits) decided since the last call:
@@ -357,8 +365,8 @@ class BlockManager:
                     continue
                 table.append(self._allocate_after(table))
                 if entry == _TIERED:
-                    self.tiers.restore(group_key(g, hashes[i]), table[-1])  # type: ignore[union-attr]
-                    self._publish(table[-1], group_key(g, hashes[i]), i)
+                    owner = self.tiers.restore(group_key(g, hashes[i]), table[-1])  # type: ignore[union-attr]
+                    self._publish(table[-1], group_key(g, hashes[i]), i, owner)
             tables.append(table)
         if self.tiers is not None:
             self.tiers.pinned = set()
@@ -545,7 +553,7 @@ class BlockManager:
             hashes = self._hashes(seq, new_full)
             for g, table in enumerate(tables):
                 for i in range(old_full, new_full):  # never released yet: those lie below old_full
-                    self._publish(table[i], group_key(g, hashes[i]), i)
+                    self._publish(table[i], group_key(g, hashes[i]), i, seq.conversation)
         if held.resume is not None and new_computed == held.resume[0]:  # the hole is computed
             new_computed, held.resume = held.resume[1], None
         self._release_out_of_window(tables, new_computed, held.evicted)  # hashed first: released full blocks stay cached
@@ -591,7 +599,8 @@ class BlockManager:
                 for block_id in table:
                     key = self.pool.block_hash(block_id)
                     if key is not None and key in self._block_info:
-                        self._block_info[key] = (self._block_info[key][0], now)
+                        position, _, owner = self._block_info[key]
+                        self._block_info[key] = (position, now, owner)
         for table in held.device:
             for block_id in reversed(table):
                 if block_id != NULL_BLOCK_ID:
@@ -668,7 +677,7 @@ class BlockManager:
                     block_id = self._allocate_after(table)
                     pairs.append((host, block_id))
                     if i < num_full and hashes:
-                        self._publish(block_id, group_key(g, hashes[i]), i)
+                        self._publish(block_id, group_key(g, hashes[i]), i, seq.conversation)
                 table.append(block_id)
             tables.append(table)
             self._host_free.extend(host_table)

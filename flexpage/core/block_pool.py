@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 
-__all__ = ["NULL_BLOCK_ID", "BlockHash", "BlockPool", "NoFreeBlocksError", "hash_block_tokens"]
+__all__ = ["NULL_BLOCK_ID", "BlockHash", "BlockPool", "NoFreeBlocksError", "hash_block_tokens", "salted_root"]
 
 NULL_BLOCK_ID = 0
 
@@ -52,6 +52,15 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: SequenceABC[int]) -> 
     h = hashlib.sha256(_ROOT_HASH if parent is None else parent)
     h.update(array("q", token_ids).tobytes())
     return h.digest()
+
+
+def salted_root(salt: str | None) -> BlockHash | None:
+    """The parent hash of a sequence's first block: None (shared by every request) or one
+    derived from ``salt``, so that only requests with the same salt share KV (vLLM's
+    ``cache_salt``; the server salts a conversation with its API key)."""
+    if salt is None:
+        return None
+    return hashlib.sha256(_ROOT_HASH + b"/salt/" + salt.encode()).digest()
 
 
 class NoFreeBlocksError(RuntimeError):

@@ -63,6 +63,7 @@ class _Entry:
     slot: int  # host slot, or disk file id
     position: int  # logical block index in its sequence: what recomputing it would cost
     last_used: float
+    owner: str | None = None  # the conversation that computed it
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +127,8 @@ class KVTiers:
                          c["spilled"], c["host_hits"], c["disk_hits"], c["demoted"], c["dropped"])
 
     # -- moving blocks -----------------------------------------------------------------------
-    def spill(self, key: BlockHash, device_block: int, position: int, last_used: float) -> None:
+    def spill(self, key: BlockHash, device_block: int, position: int, last_used: float,
+              owner: str | None = None) -> None:
         """The pool is about to reuse ``device_block`` (content ``key``, logical index
         ``position``, last read by a request at ``last_used``): keep a copy in the host tier,
         or, if it is worth less than everything there, on disk or nowhere. Content already
@@ -137,7 +139,7 @@ class KVTiers:
         if entry is not None:
             entry.last_used = max(entry.last_used, last_used)
             return
-        entry = _Entry(False, -1, position, last_used)
+        entry = _Entry(False, -1, position, last_used, owner)
         self._counts["spilled"] += 1
         if not self._free_host:
             for victim in self._victims(False, self.host_slots, key, entry):
@@ -149,13 +151,23 @@ class KVTiers:
         self._entries[key] = entry
         self._ops.append(TierOp(TierOpKind.SPILL, device_block, entry.slot))
 
-    def restore(self, key: BlockHash, device_block: int) -> None:
-        """Copy tiered content ``key`` into the fresh ``device_block``; the entry stays."""
+    def restore(self, key: BlockHash, device_block: int) -> str | None:
+        """Copy tiered content ``key`` into the fresh ``device_block``; the entry stays.
+        Returns the entry's owner."""
         entry = self._entries[key]
         entry.last_used = self.clock()
         kind = TierOpKind.LOAD if entry.on_disk else TierOpKind.RESTORE
         self._ops.append(TierOp(kind, entry.slot, device_block))
         self._counts["disk_hits" if entry.on_disk else "host_hits"] += 1
+        return entry.owner
+
+    def blocks_by_owner(self) -> dict[str | None, tuple[int, int]]:
+        """``owner -> (host blocks, disk blocks)``."""
+        counts: dict[str | None, tuple[int, int]] = {}
+        for entry in self._entries.values():
+            host, disk = counts.get(entry.owner, (0, 0))
+            counts[entry.owner] = (host, disk + 1) if entry.on_disk else (host + 1, disk)
+        return counts
 
     def take_ops(self) -> list[TierOp]:
         """The byte movements decided since the last call, in the order they must run."""

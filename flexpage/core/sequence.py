@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Iterable
 from typing import Any
 
-from flexpage.core.block_pool import hash_block_tokens
+from flexpage.core.block_pool import hash_block_tokens, salted_root
 
 __all__ = ["Sequence", "SequenceStatus"]
 
@@ -81,6 +81,8 @@ class Sequence:
         "samples_to_fork",
         "kv_budget",
         "num_evicted_blocks",
+        "cache_salt",
+        "conversation",
     )
 
     def __init__(
@@ -93,6 +95,8 @@ class Sequence:
         arrival_index: int | None = None,
         num_samples: int = 1,
         kv_budget: int | None = None,
+        cache_salt: str | None = None,
+        conversation: str | None = None,
     ) -> None:
         token_ids = [int(t) for t in prompt_token_ids]
         if not token_ids:
@@ -119,6 +123,10 @@ class Sequence:
         self.kv_budget: int | None = kv_budget
         #: logical blocks evicted to stay within ``kv_budget`` (set by the scheduler after each step)
         self.num_evicted_blocks: int = 0
+        #: only sequences with the same salt share prefix-cache blocks (None: all unsalted ones)
+        self.cache_salt: str | None = cache_salt
+        #: the conversation this turn belongs to: names the owner of the blocks it publishes
+        self.conversation: str | None = conversation
 
     # -- derived sizes -----------------------------------------------------
     @property
@@ -159,7 +167,7 @@ class Sequence:
         hashes = self._block_hashes[1]
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None,
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else salted_root(self.cache_salt),
                                             self.token_ids[i * block_size : (i + 1) * block_size]))
         return hashes
 
@@ -182,6 +190,8 @@ class Sequence:
             request=self.request,
             arrival_index=self.arrival_index,
             kv_budget=self.kv_budget,
+            cache_salt=self.cache_salt,
+            conversation=self.conversation,
         )
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_computed_tokens = self.num_computed_tokens

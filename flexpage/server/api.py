@@ -8,6 +8,12 @@ request per prompt (:mod:`flexpage.server.responses`: the engine thread answers 
 submission with ``Accepted`` or ``Failed``, so a bad request is a 400 before any byte of a
 stream is sent, then streams :class:`Delta` snapshots; a client that goes away gets its
 requests aborted).
+
+Conversations: the OpenAI ``user`` field, or an ``X-Conversation-Id`` header (which wins),
+names the chat a request continues (:mod:`flexpage.conversations`). With API keys the id is
+scoped by the key the request used, and the request's prefix-cache blocks are salted with it:
+one key's conversation never shares KV with another key's. ``GET /v1/kv`` shows the KV cache
+(:mod:`flexpage.kv_view`), other keys' conversations anonymised.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ log = logging.getLogger("flexpage.server")
 
 MAX_N = 128
 _KNOWN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+MAX_CONVERSATION_ID = 200
+_OTHER_KEY = "another key"
 
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
@@ -91,6 +99,40 @@ def _sampling_params(req: Any, max_tokens: int | None, logprobs: int | None) -> 
         return SamplingParams(**kwargs)
     except InvalidParameter as error:
         raise APIError(400, str(error), param=error.param, code="invalid_value") from None
+
+
+def _conversation_options(request: Request, user: str | None) -> dict[str, Any]:
+    """``add_request`` keywords naming the request's conversation, scoped by its API key."""
+    conversation = request.headers.get("x-conversation-id") or user
+    if conversation is None:
+        return {}
+    if not conversation.strip() or len(conversation) > MAX_CONVERSATION_ID:
+        raise APIError(400, f"conversation id (X-Conversation-Id or user): got {conversation[:40]!r}, expected a "
+                            f"non-empty string of at most {MAX_CONVERSATION_ID} characters", param="user",
+                       code="invalid_value")
+    scope = request.scope.get("flexpage.key_scope")
+    if scope is None:
+        return {"conversation_id": conversation}
+    return {"conversation_id": f"{scope}:{conversation}", "cache_salt": scope}
+
+
+def _scoped_view(view: dict[str, Any], scope: str | None) -> dict[str, Any]:
+    """``view`` as the holder of key ``scope`` may see it: its own conversations without the
+    scope prefix, other keys' as "another key"."""
+    if scope is None:
+        return view
+
+    def label(name: str | None) -> str | None:
+        if name is None or ":" not in name:
+            return name
+        owner, _, conversation = name.partition(":")
+        return conversation if owner == scope else _OTHER_KEY
+
+    view["owners"] = [label(name) for name in view["owners"]]
+    view["conversations"] = [{**c, "id": label(c["id"])} for c in view["conversations"] if label(c["id"]) != _OTHER_KEY]
+    for r in view["requests"]:
+        r["conversation"] = label(r["conversation"])
+    return view
 
 
 def _check_length(state: ServerState, num_prompt: int, params: SamplingParams, what: str) -> None:
@@ -191,9 +233,13 @@ def build_app(state: ServerState) -> Any:
         prompts = await _completion_prompts(state, req.prompt)
         for _, ids in prompts:
             _check_length(state, len(ids), params, "prompt")
+        options = _conversation_options(request, req.user)
+        if options and len(prompts) > 1:
+            raise APIError(400, "a conversation continues one prompt at a time; got a conversation id with "
+                                f"{len(prompts)} prompts", param="prompt", code="invalid_value")
         return await run_request(request, state, prompts, params, arrival, chat=False, stream=bool(req.stream),
                           include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                          top_k=req.logprobs or 0)
+                          top_k=req.logprobs or 0, options=options)
 
     @app.post("/v1/chat/completions",
               openapi_extra=route_docs(ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk))
@@ -214,7 +260,13 @@ def build_app(state: ServerState) -> Any:
         _check_length(state, len(ids), params, "messages")
         return await run_request(request, state, [(None, ids)], params, arrival, chat=True, stream=bool(req.stream),
                           include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                          top_k=req.top_logprobs or 0)
+                          top_k=req.top_logprobs or 0, options=_conversation_options(request, req.user))
+
+    @app.get("/v1/kv")
+    async def kv_cache(request: Request) -> dict[str, Any]:
+        """The KV cache block by block, its tiers, conversations and requests (flexpage.kv_view)."""
+        view = await asyncio.wrap_future(state.engine_loop.call(lambda engine: engine.kv_view()))
+        return _scoped_view(view, request.scope.get("flexpage.key_scope"))
 
     return Guard(app, state)
 

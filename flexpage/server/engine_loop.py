@@ -27,6 +27,7 @@ another ran small-batch decode steps 20-50% slower on this CPU (docs/serve-bench
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -122,6 +123,15 @@ class AddRequest:
     sink: Sink
     tag: Any
     arrival: float
+    options: dict[str, Any] = field(default_factory=dict)  # more add_request keywords (conversation_id, ...)
+
+
+@dataclass(frozen=True)
+class Call:
+    """Run ``fn(engine)`` between steps; its result (or exception) goes to ``future``."""
+
+    fn: Callable[[Any], Any]
+    future: concurrent.futures.Future
 
 
 @dataclass(frozen=True)
@@ -139,7 +149,7 @@ class Stop:
     pass
 
 
-Command = Union[AddRequest, Abort, AbortAll, Stop]
+Command = Union[AddRequest, Abort, AbortAll, Call, Stop]
 
 
 class EngineLoop:
@@ -204,10 +214,17 @@ class EngineLoop:
         return self._thread.is_alive()
 
     def add(self, request_id: str, prompt: Any, params: Any, sink: Sink, *, tag: Any = None,
-            arrival: float | None = None) -> None:
-        """Queue a request; ``sink`` gets :class:`Accepted` or :class:`Failed`, then :class:`Delta` items."""
+            arrival: float | None = None, options: dict[str, Any] | None = None) -> None:
+        """Queue a request; ``sink`` gets :class:`Accepted` or :class:`Failed`, then :class:`Delta` items.
+        ``options``: further ``add_request`` keywords."""
         self._commands.put(AddRequest(request_id, prompt, params, sink, tag,
-                                      time.monotonic() if arrival is None else arrival))
+                                      time.monotonic() if arrival is None else arrival, options or {}))
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the engine thread between steps (the engine is not thread-safe)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(Call(fn, future))
+        return future
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent; unknown or finished ids are ignored)."""
@@ -301,11 +318,16 @@ class EngineLoop:
                 self.metrics.observe_finish("abort")
         elif isinstance(command, AbortAll):
             self._abort_all(SHUTTING_DOWN, shutdown=True)
+        elif isinstance(command, Call):
+            try:
+                command.future.set_result(command.fn(self.engine))
+            except Exception as error:  # noqa: BLE001 - the caller's to report
+                command.future.set_exception(error)
 
     def _add(self, command: AddRequest) -> None:
         sink, tag = command.sink, command.tag
         try:
-            self.engine.add_request(command.prompt, command.params, command.request_id)
+            self.engine.add_request(command.prompt, command.params, command.request_id, **command.options)
         except ValueError as error:  # the request's fault: InvalidParameter names the field
             self._post(sink, Failed(tag, str(error), client_error=True, param=getattr(error, "param", None)))
             return

@@ -1,8 +1,13 @@
-"""The pure-ASGI guard in front of the app: API key for ``/v1/*``, 503 while draining, and the
-body-size cap (checked on ``Content-Length`` and while a chunked body streams in)."""
+"""The pure-ASGI guard in front of the app: API keys for ``/v1/*``, 503 while draining, and the
+body-size cap (checked on ``Content-Length`` and while a chunked body streams in).
+
+The server may have several API keys (``--api-key k1,k2``). The key a request used is passed
+on as ``scope["flexpage.key_scope"]``: a short digest of it, never the key itself, which
+scopes conversations (one key's conversation id never reaches another key's KV)."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 from typing import Any, Callable
@@ -14,7 +19,13 @@ from flexpage.server.state import ServerState
 
 __all__ = ["Guard", "error_response"]
 
-_KNOWN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
+_KNOWN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/kv", "/health", "/metrics",
+                "/openapi.json")
+
+
+def key_scope(key: str) -> str:
+    """What names an API key inside the server: 16 hex digits of its sha256."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 
@@ -49,10 +60,14 @@ class Guard:
     async def _guarded(self, scope: dict, receive: Callable, send: Callable) -> None:
         state = self.state
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if state.api_key is not None:
+        if state.api_keys:
             scheme, _, credential = headers.get("authorization", "").strip().partition(" ")
             token = credential.strip() if scheme.lower() == "bearer" else ""
-            if not hmac.compare_digest(token.encode(), state.api_key.encode()):
+            # every key compared (no early exit): the time taken says nothing about which matched
+            matches = [hmac.compare_digest(token.encode(), key.encode()) for key in state.api_keys]
+            if any(matches):
+                scope["flexpage.key_scope"] = key_scope(state.api_keys[matches.index(True)])
+            else:
                 if token:
                     message = "invalid API key"
                 elif scheme and scheme.lower() != "bearer":

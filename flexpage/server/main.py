@@ -47,6 +47,10 @@ class ServeSettings:
     deterministic: bool = False  # EngineConfig.deterministic
     kv_budget_tokens: int | None = None  # EngineConfig.kv_budget_tokens
     kv_eviction: str = "paged_eviction"  # EngineConfig.kv_eviction
+    host_kv_bytes: str = "0"  # EngineConfig.host_kv_bytes
+    disk_kv_dir: str | None = None  # EngineConfig.disk_kv_dir
+    disk_kv_bytes: str = "0"  # EngineConfig.disk_kv_bytes
+    kv_tier_policy: str = "retention"  # EngineConfig.kv_tier_policy
     enable_prefix_caching: bool = True
     swap_space: str = "0"
     preemption_mode: str = "recompute"
@@ -84,7 +88,8 @@ def run_server(settings: ServeSettings) -> int:
         preemption_mode=settings.preemption_mode, compile=not settings.eager, model_impl=settings.model_impl,
         seed=settings.seed, recipe=settings.recipe, deterministic=settings.deterministic,
         compile_step=settings.compile_step, kv_budget_tokens=settings.kv_budget_tokens,
-        kv_eviction=settings.kv_eviction,
+        kv_eviction=settings.kv_eviction, host_kv_bytes=settings.host_kv_bytes, disk_kv_dir=settings.disk_kv_dir,
+        disk_kv_bytes=settings.disk_kv_bytes, kv_tier_policy=settings.kv_tier_policy,
     )
     timings = {"load": 0.0, "warm-up": 0.0}
 
@@ -124,12 +129,17 @@ def run_server(settings: ServeSettings) -> int:
         server.run()
     finally:
         engine_loop.stop(timeout=10)
+        engine.close()  # the disk tier's files
         state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
     if not server.started:
         console.print(f"[red]error:[/red] could not serve on {settings.host}:{settings.port}")
         return 1
     console.print("[green]flexpage serve stopped[/green]")
     return 0
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 30):.2f} GiB"
 
 
 def recipe_summary(recipes: Any) -> str:
@@ -165,6 +175,12 @@ def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str
     table.add_row("KV budget", f"{budget} tokens per sequence, {engine.eviction_policy.name} eviction"
                   if budget is not None and engine.eviction_policy.token_scores is not None
                   else f"none (requests may set kv_budget; {engine.eviction_policy.name} eviction)")
+    tiers = engine.tier_stats()
+    table.add_row("KV tiers", f"host {_gib(tiers['kv_host_blocks_total'] * engine.tier_storage.block_bytes)}"
+                  + (f", disk {_gib(tiers['kv_disk_blocks_total'] * engine.tier_storage.block_bytes)} in "
+                     f"{engine.config.disk_kv_dir}" if engine.config.disk_kv_dir else "")
+                  + f"; {engine.block_manager.tiers.policy} policy"
+                  if engine.tier_storage is not None else "none (cached blocks the pool evicts are lost)")
     table.add_row("attention", "torch.compile (FlexAttention kernels)" if engine.runner.compile
                   else "eager (no torch.compile)")
     table.add_row("recipes", recipe_summary(engine.recipes) + ("" if engine.runner.recipes_from_model
@@ -173,7 +189,9 @@ def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str
                   else "HF transformers modules")
     table.add_row("step", "one compiled graph (3 variants: prefill, decode, mixed)" if engine.runner.compiled_step
                   else "layer by layer")
-    table.add_row("API key", "required" if settings.api_key else "none (open)")
+    keys = len([k for k in (settings.api_key or "").split(",") if k.strip()])
+    table.add_row("API key", ("required" if keys == 1 else f"required ({keys} keys; each scopes its conversations)")
+                  if keys else "none (open)")
     table.add_row("startup", f"load {load_s:.1f} s, warm-up {warm_s:.1f} s")
     console.print(Panel(table, title="[bold]flexpage serve[/bold]", subtitle="Ctrl-C drains and stops",
                         expand=False))

@@ -38,6 +38,10 @@ _GAUGES = {
     "flexpage_prefix_cache_hit_rate": ("prefix_cache_hit_rate",
                                        "Prompt tokens served from the prefix cache / prompt tokens looked up."),
     "flexpage_swapped_blocks": ("swapped_blocks", "KV blocks currently swapped out to host memory."),
+    "flexpage_kv_host_tier_bytes": ("kv_host_bytes_used", "Bytes of prefix-cache blocks kept in the host-memory tier."),
+    "flexpage_kv_host_tier_blocks": ("kv_host_blocks_used", "Blocks kept in the host-memory tier."),
+    "flexpage_kv_disk_tier_bytes": ("kv_disk_bytes_used", "Bytes of prefix-cache blocks kept in the disk tier."),
+    "flexpage_kv_disk_tier_blocks": ("kv_disk_blocks_used", "Blocks kept in the disk tier."),
 }
 _COUNTERS = {
     "flexpage_preemptions": ("preemptions", "Sequences preempted (recompute or swap) to free KV blocks."),
@@ -48,6 +52,23 @@ _COUNTERS = {
     "flexpage_kv_evicted_blocks": ("kv_evicted_blocks", "KV block-table entries sequences gave up to stay within "
                                                         "their KV budget (kv_budget)."),
     "flexpage_kv_evicted_tokens": ("kv_evicted_tokens", "Token slots in those blocks."),
+    "flexpage_kv_spilled_tokens": ("kv_spilled_tokens", "Tokens of prefix-cache blocks the pool evicted into the "
+                                                        "host/disk tiers."),
+    "flexpage_kv_restored_host_tokens": ("kv_restored_host_tokens", "Prompt tokens whose KV was restored from the "
+                                                                    "host tier."),
+    "flexpage_kv_restored_disk_tokens": ("kv_restored_disk_tokens", "Prompt tokens whose KV was restored from the "
+                                                                    "disk tier."),
+    "flexpage_kv_dropped_tokens": ("kv_dropped_tokens", "Tokens of tiered blocks dropped for good (the tiers were "
+                                                        "full)."),
+    "flexpage_kv_hole_recomputed_tokens": ("kv_hole_recomputed_tokens", "Tokens recomputed in front of blocks "
+                                                                        "restored behind a dropped head."),
+    "flexpage_conversation_turns": ("conversation_turns", "Finished turns of requests that named a conversation."),
+    "flexpage_conversation_history_tokens": ("conversation_history_tokens", "Tokens of earlier turns that later "
+                                                                            "turns carried in their prompts."),
+    "flexpage_conversation_reused_tokens": ("conversation_reused_tokens", "Of those, tokens served from the cache "
+                                                                          "(pool or tiers)."),
+    "flexpage_conversation_recomputed_tokens": ("conversation_recomputed_tokens", "Of those, tokens computed "
+                                                                                  "again."),
 }
 
 #: Every exported metric with its type and help text (docs/serving.md mirrors this).

@@ -31,11 +31,12 @@ class Submission:
     """The engine requests behind one HTTP request (one per prompt), merged into one stream."""
 
     def __init__(self, state: ServerState, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
-                 arrival: float) -> None:
+                 arrival: float, options: dict[str, Any] | None = None) -> None:
         self.state = state
         self.prompts = prompts
         self.params = params
         self.arrival = arrival
+        self.options = options or {}  # more add_request keywords, for every prompt
         self.sink = Sink(asyncio.get_running_loop())
         base = uuid.uuid4().hex
         self.request_ids = [f"{base}-{i}" for i in range(len(prompts))]
@@ -46,7 +47,7 @@ class Submission:
         """Submit every prompt; raise :class:`APIError` if the engine refuses one."""
         for i, (text, ids) in enumerate(self.prompts):
             self.state.engine_loop.add(self.request_ids[i], {"prompt_token_ids": ids, "prompt": text}, self.params,
-                                       self.sink, tag=i, arrival=self.arrival)
+                                       self.sink, tag=i, arrival=self.arrival, options=self.options)
         pending = set(range(len(self.prompts)))
         failure: Failed | None = None
         while pending:
@@ -200,8 +201,8 @@ def _sse(obj: Any) -> str:
 
 async def run_request(request: Request, state: ServerState, prompts: list[tuple[str | None, list[int]]],
                params: SamplingParams, arrival: float, *, chat: bool, stream: bool, include_usage: bool,
-               top_k: int) -> Response:
-    submission = Submission(state, prompts, params, arrival)
+               top_k: int, options: dict[str, Any] | None = None) -> Response:
+    submission = Submission(state, prompts, params, arrival, options)
     await submission.start()  # APIError if the engine refuses
     prefix = "chatcmpl-" if chat else "cmpl-"
     response_id = prefix + submission.request_ids[0].split("-")[0]

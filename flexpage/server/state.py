@@ -22,7 +22,7 @@ class ServerState:
     served_model_name: str
     max_model_len: int
     vocab_size: int
-    api_key: str | None = None
+    api_key: str | None = None  # one key, or several separated by commas
     max_body_bytes: int = 4 << 20
     metrics: ServerMetrics | None = None
     recipes: str = ""  # the attention recipes the model runs (see flexpage.server.main.recipe_summary)
@@ -31,3 +31,8 @@ class ServerState:
     inflight: int = 0
     tokenizer_pool: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flexpage-tokenizer"))
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys ``/v1/*`` accepts (empty: open)."""
+        return tuple(key.strip() for key in (self.api_key or "").split(",") if key.strip())
