@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -115,8 +116,10 @@ class LLMEngine:
         self.tier_storage = TierStorage(self.runner.pool, host_slots, config.disk_kv_dir) if host_slots else None
         # a disk entry is one safetensors file: the block plus a small header
         disk_slots = parse_size(config.disk_kv_bytes, "disk_kv_bytes") // (bytes_per_block + 4096)
+        #: relative recompute cost per token of context before it: from FLOPs until warm_up measures it
+        self.recompute_cost_slope = _flop_cost_slope(model, text_config)
         tiers = KVTiers(host_slots, disk_slots if host_slots else 0, policy=config.kv_tier_policy,
-                        cost=_recompute_cost(model, text_config, config.block_size))
+                        cost=self._recompute_cost)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
             num_host_blocks=self.runner.num_host_blocks, run_length=run_length,
@@ -280,6 +283,7 @@ class LLMEngine:
             self.add_request({"prompt_token_ids": ids(100, 30)}, params, "warmup-2")
             self._run_to_completion()
             self.reset_prefix_cache()
+            self._measure_recompute_cost()
             return time.perf_counter() - start
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         batches = [[n] for n in _WARMUP_LENGTHS] + [[n, n] for n in _WARMUP_LENGTHS] + [[5, 23, 40]]
@@ -308,7 +312,42 @@ class LLMEngine:
                 self.add_request({"prompt_token_ids": shared + suffixes[i]}, params, f"warmup-shared-{n}-{i}")
             self._run_to_completion()
         self.reset_prefix_cache()
+        self._measure_recompute_cost()
         return time.perf_counter() - start
+
+    def _measure_recompute_cost(self, chunk_blocks: int = 16, context_blocks: int = 128) -> None:
+        """With tiers: time one chunk prefilled with no context and behind ``context_blocks``
+        cached blocks (medians of 3), and let the retention value's cost grow with position at
+        that measured slope instead of the FLOP estimate."""
+        bs = self.config.block_size
+        chunk = min(chunk_blocks * bs, self.config.max_num_batched_tokens) // bs * bs
+        room = self.block_manager.num_usable_blocks // len(self.layer_groups) - 2 * chunk // bs - 1
+        context = min(context_blocks, (self.max_model_len // 2) // bs, room) * bs
+        if self.block_manager.tiers is None or context < bs or chunk < bs:
+            return
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        prefix = [(1000 + j) % self.vocab_size for j in range(context)]
+
+        def prefill_seconds(prompt: list[int]) -> float:
+            self.add_request({"prompt_token_ids": prompt}, params)
+            start = time.perf_counter()
+            self._run_to_completion()
+            return time.perf_counter() - start
+
+        prefill_seconds(prefix)  # now cached: the next prompts compute only their last chunk
+        behind, alone = [], []
+        for r in range(3):
+            fresh = [(20000 + r * chunk + j) % self.vocab_size for j in range(chunk)]
+            behind.append(prefill_seconds(prefix + fresh))
+            alone.append(prefill_seconds([(t + 7919) % self.vocab_size for t in fresh]))
+        self.reset_prefix_cache()
+        ratio = statistics.median(behind) / statistics.median(alone)
+        self.recompute_cost_slope = max(0.0, ratio - 1.0) / (context + chunk / 2)
+
+    def _recompute_cost(self, position: int) -> float:
+        """The tiers' cost of recomputing the block at logical index ``position`` (1.0: a block
+        with no context before it)."""
+        return 1.0 + (position + 0.5) * self.config.block_size * self.recompute_cost_slope
 
     def _run_to_completion(self) -> None:
         while self.has_unfinished_requests():
@@ -614,19 +653,13 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     return [ids] if isinstance(ids, int) else list(ids)
 
 
-def _recompute_cost(model: torch.nn.Module, text_config: Any, block_size: int) -> Any:
-    """Relative cost of recomputing the block at logical index ``i`` (the tiers' retention
-    value): per token, the weights' multiply-adds plus attention over the context before it,
-    both in FLOPs of this model (``1.0`` = a block at position 0 without attention)."""
+def _flop_cost_slope(model: torch.nn.Module, text_config: Any) -> float:
+    """Attention FLOPs per token of context over the weights' FLOPs per token: how much more a
+    token costs to recompute per token before it (the estimate until it is measured)."""
     weights = sum(p.numel() for name, p in model.named_parameters() if "embed" not in name)
     heads = text_config.num_attention_heads
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
-    per_context_token = 4 * text_config.num_hidden_layers * heads * head_dim / (2 * weights)
-
-    def cost(i: int) -> float:
-        return 1.0 + (i + 0.5) * block_size * per_context_token
-
-    return cost
+    return 4 * text_config.num_hidden_layers * heads * head_dim / (2 * weights)
 
 
 def _kv_bytes_per_token(text_config: Any, dtype: torch.dtype, num_layers: int | None = None) -> int:

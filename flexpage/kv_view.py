@@ -93,6 +93,7 @@ def _tiers(engine: Any, stats: dict[str, float]) -> dict[str, Any]:
     block_bytes = engine.tier_storage.block_bytes if engine.tier_storage is not None else 0
     return {
         "policy": tiers.policy if tiers is not None else None,
+        "recompute_cost_slope": engine.recompute_cost_slope,  # per token of context; see KVTiers
         "host": {"blocks_total": stats["kv_host_blocks_total"], "blocks_used": stats["kv_host_blocks_used"],
                  "bytes_total": stats["kv_host_blocks_total"] * block_bytes, "bytes_used": stats["kv_host_bytes_used"]},
         "disk": {"blocks_total": stats["kv_disk_blocks_total"], "blocks_used": stats["kv_disk_blocks_used"],

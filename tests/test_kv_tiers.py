@@ -422,3 +422,18 @@ def test_bad_tier_configs_name_the_setting(settings, message):
 
     with pytest.raises(ValueError, match=message):
         EngineConfig(**settings)
+
+
+def test_warm_up_measures_the_recompute_cost_slope_and_leaves_the_engine_clean(tiny_model):
+    from flexpage import LLM
+
+    llm = LLM(str(tiny_model("llama")), dtype="float32", compile=False, num_blocks=80,
+              host_kv_bytes=16 * TINY_LLAMA_BLOCK_BYTES)
+    engine = llm.engine
+    estimate = engine.recompute_cost_slope
+    engine.warm_up()
+    assert engine.recompute_cost_slope != estimate and engine.recompute_cost_slope >= 0
+    assert engine._recompute_cost(9) == pytest.approx(1 + 9.5 * BLOCK * engine.recompute_cost_slope)
+    stats = engine.stats()
+    assert stats["kv_blocks_used"] == stats["kv_blocks_cached"] == 0 and stats["kv_host_blocks_used"] == 0
+    assert not engine.requests

@@ -95,7 +95,7 @@ class KVTiers:
         if policy not in TIER_POLICIES:
             raise ValueError(f"policy must be one of {TIER_POLICIES}, got {policy!r}")
         self.host_slots, self.disk_slots, self.policy = host_slots, disk_slots, policy
-        self._cost = cost
+        self.cost = cost
         self.clock = clock
         self._entries: dict[BlockHash, _Entry] = {}
         self._free_host = list(range(host_slots - 1, -1, -1))  # pop() hands out slot 0 first
@@ -190,7 +190,7 @@ class KVTiers:
     def _value(self, entry: _Entry, now: float) -> float:
         if self.policy == "lru":
             return entry.last_used
-        return self._cost(entry.position) / max(now - entry.last_used, 1e-6)
+        return self.cost(entry.position) / max(now - entry.last_used, 1e-6)
 
     def _victims(self, on_disk: bool, capacity: int, key: BlockHash, entry: _Entry) -> list[BlockHash]:
         """The lowest-value entries of a tier, counting ``entry`` (arriving as ``key``) among

@@ -179,7 +179,8 @@ def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str
     table.add_row("KV tiers", f"host {_gib(tiers['kv_host_blocks_total'] * engine.tier_storage.block_bytes)}"
                   + (f", disk {_gib(tiers['kv_disk_blocks_total'] * engine.tier_storage.block_bytes)} in "
                      f"{engine.config.disk_kv_dir}" if engine.config.disk_kv_dir else "")
-                  + f"; {engine.block_manager.tiers.policy} policy"
+                  + f"; {engine.block_manager.tiers.policy} policy (recompute cost +"
+                    f"{engine.recompute_cost_slope * 1000:.2f}% per 10 tokens of context)"
                   if engine.tier_storage is not None else "none (cached blocks the pool evicts are lost)")
     table.add_row("attention", "torch.compile (FlexAttention kernels)" if engine.runner.compile
                   else "eager (no torch.compile)")
