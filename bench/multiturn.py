@@ -138,6 +138,7 @@ def run_mode(mode: str, workload: list[list[Turn]], think_mean: float, args: arg
         "hole_recomputed_tokens": stats["kv_hole_recomputed_tokens"],
         "dropped_tokens": stats["kv_dropped_tokens"], "spilled_tokens": stats["kv_spilled_tokens"],
         "preemptions": stats["preemptions"], "rss_growth_mb": (peak_rss - base_rss) / 2**20,
+        "recompute_cost_slope": engine.recompute_cost_slope,
     }
     if snapshot is not None:
         plot_snapshot(snapshot, snapshot_path, f"{mode}, think {think_mean:g} s, t = {args.snapshot_at:g} s")

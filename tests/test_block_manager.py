@@ -16,9 +16,10 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from shadow_kv import ShadowKV
 
 from flexpage.core import BlockManager, NoFreeBlocksError, Sequence
-from flexpage.core.kv_tiers import KVTiers, TierOp, TierOpKind
+from flexpage.core.kv_tiers import KVTiers
 from flexpage.core.layer_groups import blocks_out_of_window
 
 
@@ -463,56 +464,6 @@ def test_swap_and_fork_keep_released_entries_null() -> None:
 # -- property test ------------------------------------------------------------------------
 
 PREFIXES = [[], [1, 2, 1, 2, 1, 2, 1, 2, 1], [3, 3, 3, 3, 0, 0, 0, 0]]
-
-
-class ShadowKV:
-    """Symbolic KV: slot (block, offset) holds the token prefix whose KV it contains."""
-
-    def __init__(self, block_size: int) -> None:
-        self.bs = block_size
-        self.dev: dict[int, list] = {}
-        self.host: dict[int, list] = {}
-        self.tier_host: dict[int, list] = {}  # KVTiers' host slots
-        self.disk: dict[int, list] = {}  # KVTiers' disk files
-
-    def apply_tier_ops(self, ops: list[TierOp]) -> None:
-        """Run :class:`KVTiers` ops in order, as the runner's TierStorage does."""
-        where = {TierOpKind.SPILL: (self.dev, self.tier_host), TierOpKind.RESTORE: (self.tier_host, self.dev),
-                 TierOpKind.DEMOTE: (self.tier_host, self.disk), TierOpKind.WRITE: (self.dev, self.disk),
-                 TierOpKind.LOAD: (self.disk, self.dev)}
-        for op in ops:
-            if op.kind is TierOpKind.DELETE:
-                del self.disk[op.src]
-            else:
-                src, dst = where[op.kind]
-                assert op.kind is not TierOpKind.LOAD or op.src in self.disk
-                self.copy([(op.src, op.dst)], src, dst)
-
-    def _blk(self, store: dict[int, list], b: int) -> list:
-        return store.setdefault(b, [None] * self.bs)
-
-    def copy(self, pairs: list[tuple[int, int]], src: dict, dst: dict) -> None:
-        data = [list(self._blk(src, s)) for s, _ in pairs]  # gather, then scatter
-        for (_, d), blk in zip(pairs, data):
-            dst[d] = blk
-
-    def write(self, tables: list[list[int]], seq: Sequence, start: int, n: int, pruned: object = None) -> None:
-        """``pruned``: the KV is computed over a context the sequence's KV budget pruned (tagged
-        with it, so that no other sequence may take it for the plain prefix's KV)."""
-        for table in tables:  # every layer group computes the new positions
-            for p in range(start, start + n):
-                assert table[p // self.bs] != 0, (seq, p)
-                prefix = tuple(seq.token_ids[: p + 1])
-                self._blk(self.dev, table[p // self.bs])[p % self.bs] = prefix if pruned is None else (pruned, prefix)
-
-    def check(self, tables: list[list[int]], seq: Sequence, pruned: object = None) -> None:
-        for table in tables:
-            for p in range(seq.num_computed_tokens):
-                if table[p // self.bs] == 0:  # released by a sliding group or evicted: nobody reads it again
-                    continue
-                got = self._blk(self.dev, table[p // self.bs])[p % self.bs]
-                prefix = tuple(seq.token_ids[: p + 1])
-                assert got == prefix or (pruned is not None and got == (pruned, prefix)), (seq, p, got)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from engine_models import random_prompts
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from test_block_manager import ShadowKV
+from shadow_kv import ShadowKV
 
 from flexpage import SamplingParams
 from flexpage.core import BlockManager, Sequence
@@ -278,6 +279,44 @@ def test_a_disk_directory_left_by_a_killed_engine_is_cleaned_and_cannot_be_share
         TierStorage(small_pool(), host_slots=2, disk_dir=tmp_path)
     storage.close()
     TierStorage(small_pool(), host_slots=2, disk_dir=tmp_path).close()  # released: usable again
+
+
+def test_an_engine_killed_mid_write_leaves_whole_files_and_the_next_one_starts_clean(tmp_path):
+    """SIGKILL while blocks stream to disk: every file under a real name is complete (written
+    to a temporary name, then renamed), the lock dies with the process, and the next storage
+    on the directory deletes what is left."""
+    from safetensors import safe_open
+
+    from flexpage.model.kv_tier_storage import TierStorage
+
+    script = r"""
+import sys
+from flexpage.attention.kv_pool import KVPool
+from flexpage.core.kv_tiers import TierOp, TierOpKind
+from flexpage.model.kv_tier_storage import TierStorage
+pool = KVPool(num_layers=8, num_blocks=4, block_size=64, num_kv_heads=4, head_dim=64)  # 1 MiB blocks
+storage = TierStorage(pool, host_slots=1, disk_dir=sys.argv[1])
+storage.apply([TierOp(TierOpKind.SPILL, 1, 0), TierOp(TierOpKind.DEMOTE, 0, 0)])
+print("writing", flush=True)
+i = 1
+while True:
+    storage.apply([TierOp(TierOpKind.DEMOTE, 0, i), TierOp(TierOpKind.DELETE, i - 1)])
+    i += 1
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.stdout.readline().strip() == "writing"
+    time.sleep(0.5)
+    proc.kill()
+    proc.wait(30)
+    complete = list(tmp_path.glob("kv-*.safetensors"))
+    assert complete
+    for path in complete:
+        with safe_open(str(path), "pt") as f:
+            assert f.get_tensor("kv").numel() * 4 == 1 << 20
+    storage = TierStorage(small_pool(), host_slots=2, disk_dir=tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [".lock"]
+    storage.close()
 
 
 def test_host_tier_memory_grows_with_use_and_never_past_its_cap():

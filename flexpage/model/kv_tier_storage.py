@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from flexpage.attention.kv_pool import KVPool
 from flexpage.core.kv_tiers import TierOp, TierOpKind
@@ -82,7 +82,7 @@ class TierStorage:
             tmp = path.with_suffix(".tmp")
             data = (self.host[:, self._host_slots([op.src])] if op.kind is TierOpKind.DEMOTE
                     else self.pool.read_blocks([op.src]))
-            save_file({"kv": data.contiguous()}, tmp)
+            tmp.write_bytes(save({"kv": data.contiguous()}))  # (save_file would make its own temporary file)
             os.replace(tmp, path)
             self.disk_bytes += path.stat().st_size
         elif op.kind is TierOpKind.LOAD:
