@@ -4,7 +4,7 @@ runs in the wrong order) is caught by comparing tuples."""
 
 from __future__ import annotations
 
-from flexpage.core import Sequence
+from flexpage.core import BlockManager, Sequence
 from flexpage.core.kv_tiers import TierOp, TierOpKind
 
 
@@ -56,3 +56,10 @@ class ShadowKV:
                 got = self._blk(self.dev, table[p // self.bs])[p % self.bs]
                 prefix = tuple(seq.token_ids[: p + 1])
                 assert got == prefix or (pruned is not None and got == (pruned, prefix)), (seq, p, got)
+
+    def check_restored(self, bm: BlockManager, seq: Sequence) -> None:
+        """Blocks restored behind a hole (not reached by computing yet) hold their prefix's KV."""
+        start = seq.num_computed_tokens + bm.computable_tokens(seq)
+        for p in range(start, start + bm.reused_tokens(seq) - seq.num_computed_tokens):
+            got = self._blk(self.dev, bm.block_table(seq)[p // self.bs])[p % self.bs]
+            assert got == tuple(seq.token_ids[: p + 1]), (seq, p, got)

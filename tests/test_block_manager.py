@@ -495,11 +495,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _tier_ops(self) -> None:
         self.kv.apply_tier_ops(self.bm.take_tier_ops())
 
-    def _restored_range(self, seq: Sequence) -> range:
-        """Positions restored behind a hole that computing has not reached yet."""
-        start = seq.num_computed_tokens + self.bm.computable_tokens(seq)
-        return range(start, start + self.bm.reused_tokens(seq) - seq.num_computed_tokens)
-
     def _compute(self, seq: Sequence, n: int) -> None:
         start = seq.num_computed_tokens
         copies = self.bm.append_slots(seq, n)
@@ -551,9 +546,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq.num_computed_tokens = self.bm.allocate(seq)
         self._tier_ops()
         self.kv.check(self.bm.block_tables(seq), seq)
-        for p in self._restored_range(seq):
-            got = self.kv._blk(self.kv.dev, self.bm.block_table(seq)[p // self.bs])[p % self.bs]
-            assert got == tuple(seq.token_ids[: p + 1]), (seq, p, got)
+        self.kv.check_restored(self.bm, seq)
         self.live[seq.seq_id] = seq
         self.family[seq.seq_id] = seq.seq_id
         self.next_id += 1

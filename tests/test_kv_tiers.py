@@ -193,12 +193,7 @@ class ConversationMachine(RuleBasedStateMachine):
         if not self.bm.can_allocate(seq):
             return
         admit(self.bm, self.kv, seq)
-        restored = range(seq.num_computed_tokens + self.bm.computable_tokens(seq),
-                         seq.num_computed_tokens + self.bm.computable_tokens(seq) + self.bm.reused_tokens(seq)
-                         - seq.num_computed_tokens)
-        for p in restored:
-            got = self.kv._blk(self.kv.dev, self.bm.block_table(seq)[p // BS])[p % BS]
-            assert got == tuple(seq.token_ids[: p + 1])
+        self.kv.check_restored(self.bm, seq)
         if not self.bm.can_append_slots(seq, seq.num_uncomputed_tokens):
             self.bm.free(seq)
             return
