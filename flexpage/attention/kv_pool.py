@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Sequence
 
 import torch
 
@@ -108,8 +109,14 @@ class KVPool:
         self.storage.view(-1, self.num_slots, self.head_dim)[:, slots] = data
 
     def _block_slots(self, blocks: list[int]) -> torch.Tensor:
-        ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        return (ids[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
+        return block_slots(blocks, self.block_size, self.device)
+
+
+def block_slots(blocks: Sequence[int], block_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The slot indices of ``blocks``, block after block (slot = block * block_size + offset):
+    how the pool and the host tiers laid out like it index whole blocks."""
+    ids = torch.tensor(list(blocks), dtype=torch.long, device=device)
+    return (ids[:, None] * block_size + torch.arange(block_size, device=device)).flatten()
 
 
 def _separate_tensor(view: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import BinaryIO
 import torch
 from safetensors.torch import load_file, save
 
-from flexpage.attention.kv_pool import KVPool
+from flexpage.attention.kv_pool import KVPool, block_slots
 from flexpage.core.kv_tiers import TierOp, TierOpKind
 
 __all__ = ["TierStorage"]
@@ -55,8 +55,7 @@ class TierStorage:
         return self.disk_dir / f"{_PREFIX}{file_id}.safetensors"  # type: ignore[operator]
 
     def _host_slots(self, slots: list[int]) -> torch.Tensor:
-        ids = torch.tensor(slots, dtype=torch.long)
-        return (ids[:, None] * self.pool.block_size + torch.arange(self.pool.block_size)).flatten()
+        return block_slots(slots, self.pool.block_size)
 
     def apply(self, ops: list[TierOp]) -> None:
         """Run ``ops`` in order (consecutive spills or restores as one batched copy)."""

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from flexpage.attention import torch_patches
 from flexpage.attention.flex import FlexRunner, check_deterministic_supported, raised_compile_limits
-from flexpage.attention.kv_pool import KVPool
+from flexpage.attention.kv_pool import KVPool, block_slots
 from flexpage.attention.paging import PagedBatch, build_paged_batch, next_power_of_two, token_positions
 from flexpage.attention.recipe import Recipe
 from flexpage.config import MODEL_IMPLS
@@ -308,15 +308,11 @@ class ModelRunner:
         """Swap blocks to/from the host tier and copy-on-write, in that order, before a forward."""
         if swap_out:
             device, host = zip(*swap_out)
-            self.host[:, self._host_slots(host)] = self.pool.read_blocks(list(device))
+            self.host[:, block_slots(host, self.pool.block_size)] = self.pool.read_blocks(list(device))
         if swap_in:
             host, device = zip(*swap_in)
-            self.pool.write_blocks(list(device), self.host[:, self._host_slots(host)])
+            self.pool.write_blocks(list(device), self.host[:, block_slots(host, self.pool.block_size)])
         self.pool.copy_blocks(copies)
-
-    def _host_slots(self, blocks: tuple[int, ...]) -> Tensor:
-        ids = torch.tensor(blocks, dtype=torch.long)
-        return (ids[:, None] * self.pool.block_size + torch.arange(self.pool.block_size)).flatten()
 
 
 def layer_groups_for(recipes: Sequence[Recipe]) -> tuple[LayerGroup, ...]:
