@@ -146,6 +146,11 @@ def serve(
     disk_kv_bytes: str = typer.Option("0", help="Disk tier size, e.g. 20GiB (with --disk-kv-dir)."),
     kv_tier_policy: str = typer.Option("retention", help="What the tiers drop first: retention (Pensieve: lowest "
                                                          "recompute cost / idle time) | lru."),
+    kv_layout: str = typer.Option("paged", help="paged (a pool of blocks claimed up front; prefix sharing) | "
+                                                "virtual (vAttention: each sequence's KV contiguous in reserved "
+                                                "address space the OS backs on first write; no prefix caching)."),
+    kv_resident_bytes: Optional[str] = typer.Option(None, help="With --kv-layout virtual: KV memory in use at once, "
+                                                               "e.g. 2GiB [default: --kv-cache-memory]."),
     seed: int = typer.Option(0, help="Seed of the engine's shared RNG (unseeded requests)."),
     max_request_body: str = typer.Option("4MiB", help="Largest request body accepted; larger ones get 413."),
     drain_timeout: float = typer.Option(30.0, help="Seconds Ctrl-C waits for in-flight requests before aborting them."),
@@ -175,7 +180,8 @@ def serve(
         compile_step=not no_compile_step, model_impl=model_impl, recipe=recipe_choice, deterministic=deterministic,
         enable_prefix_caching=not no_prefix_caching, swap_space=swap_space, preemption_mode=preemption_mode,
         kv_budget_tokens=kv_budget, kv_eviction=kv_eviction, host_kv_bytes=host_kv_bytes, disk_kv_dir=disk_kv_dir,
-        disk_kv_bytes=disk_kv_bytes, kv_tier_policy=kv_tier_policy, seed=seed, max_request_body=max_request_body,
+        disk_kv_bytes=disk_kv_bytes, kv_tier_policy=kv_tier_policy, kv_layout=kv_layout,
+        kv_resident_bytes=kv_resident_bytes, seed=seed, max_request_body=max_request_body,
         drain_timeout=drain_timeout, warmup=warmup,
         log_level=log_level,
     )

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from flexpage.attention.kv_pool import KV_LAYOUTS
 from flexpage.core.kv_tiers import TIER_POLICIES
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
@@ -110,6 +111,13 @@ class EngineConfig:
     disk_kv_dir: str | None = None
     disk_kv_bytes: int | str = 0
     kv_tier_policy: str = "retention"  # or "lru"
+    # where K/V live (flexpage.attention.kv_pool.KV_LAYOUTS): "paged" (one pool of blocks claimed
+    # up front; prefix sharing, copy-on-write) or "virtual" (vAttention: a reserved row of
+    # max_model_len tokens per sequence that the OS backs page by page; shares nothing, so
+    # prefix caching is turned off). See docs/kv-layouts.md
+    kv_layout: str = "paged"
+    # virtual layout: KV bytes in use at once (admission control); None: kv_cache_memory
+    kv_resident_bytes: int | str | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "attention_block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -149,8 +157,28 @@ class EngineConfig:
             raise ValueError("host_kv_bytes: tiers hold prefix-cache blocks; enable_prefix_caching must be True")
         if self.kv_tier_policy not in TIER_POLICIES:
             raise ValueError(f"kv_tier_policy: got {self.kv_tier_policy!r}, expected one of {TIER_POLICIES}")
+        self._check_kv_layout()
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode: got {self.preemption_mode!r}, expected 'recompute' or 'swap'")
+
+    def _check_kv_layout(self) -> None:
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout: got {self.kv_layout!r}, expected one of {KV_LAYOUTS}")
+        if self.kv_resident_bytes is not None:
+            if self.kv_layout != "virtual":
+                raise ValueError("kv_resident_bytes: applies to kv_layout='virtual' (the paged pool's size is "
+                                 "kv_cache_memory)")
+            if parse_size(self.kv_resident_bytes, "kv_resident_bytes") <= 0:
+                raise ValueError(f"kv_resident_bytes: got {self.kv_resident_bytes!r}, expected a positive size")
+        if self.kv_layout != "virtual":
+            return
+        for name, unsupported in (("deterministic", self.deterministic),
+                                  ("kv_budget_tokens", self.kv_budget_tokens is not None),
+                                  ("host_kv_bytes", parse_size(self.host_kv_bytes, "host_kv_bytes") > 0)):
+            if unsupported:
+                raise ValueError(f"{name}: not available with kv_layout='virtual' (it needs the paged layout's "
+                                 "block tables)")
+        self.enable_prefix_caching = False  # a row is one sequence's: nothing to share
 
     def blocks_per_attention_block(self, dtype: torch.dtype) -> int:
         """KV blocks per attention key block (the allocator's run length) for a pool of ``dtype``."""

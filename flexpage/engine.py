@@ -106,11 +106,18 @@ class LLMEngine:
         num_blocks = config.num_blocks or max(2, parse_size(config.kv_cache_memory) // bytes_per_block)
         compile = config.compile and os.environ.get("FLEXPAGE_COMPILE", "1") != "0"
         run_length = config.blocks_per_attention_block(dtype)
-        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size, compile=compile,
+        # the virtual layout: one row of max_model_len tokens (whole key blocks) per sequence and
+        # layer group, in address space; num_blocks then caps the blocks in use, not the pool
+        row_length = -(-self.max_model_len // (run_length * config.block_size)) * run_length
+        virtual_rows = config.max_num_seqs * len(self.layer_groups) if config.kv_layout == "virtual" else 0
+        if virtual_rows and config.kv_resident_bytes is not None:
+            num_blocks = max(2, parse_size(config.kv_resident_bytes, "kv_resident_bytes") // bytes_per_block)
+        self.runner = ModelRunner(model, num_blocks=(virtual_rows + 1) * row_length if virtual_rows else num_blocks,
+                                  block_size=config.block_size, compile=compile,
                                   num_host_blocks=parse_size(config.swap_space) // bytes_per_block,
                                   blocks_per_attention_block=run_length, model_impl=config.model_impl,
                                   recipes=self.recipes, deterministic=config.deterministic,
-                                  compile_step=config.compile_step)
+                                  compile_step=config.compile_step, kv_layout=config.kv_layout)
         host_slots = parse_size(config.host_kv_bytes, "host_kv_bytes") // bytes_per_block
         #: the bytes of the tiers behind the prefix cache (None: no tiers)
         self.tier_storage = TierStorage(self.runner.pool, host_slots, config.disk_kv_dir) if host_slots else None
@@ -122,8 +129,9 @@ class LLMEngine:
                         cost=self._recompute_cost)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
-            num_host_blocks=self.runner.num_host_blocks, run_length=run_length,
+            num_host_blocks=self.runner.num_host_blocks, run_length=row_length if virtual_rows else run_length,
             group_windows=[group.window for group in self.runner.layer_groups], tiers=tiers,
+            virtual_rows=virtual_rows,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -363,6 +371,7 @@ class LLMEngine:
         the rest of the step completes: when the batched forward pass fails, each sequence is
         run again on its own, so the one that fails alone is found.
         """
+        self._release_free_rows()  # rows freed between steps (aborts), before anything writes there
         sched = self.scheduler.schedule()
         touched: dict[str, Request] = {}
         for seq in sched.finished:  # the scheduler gave up on a sequence that outgrew the pool
@@ -378,7 +387,14 @@ class LLMEngine:
                 else:
                     for item in sched.scheduled:
                         self._run_alone(item, touched)
+        self._release_free_rows()  # finished and preempted sequences' rows (swap-outs are read by now)
         return [r.to_output() for r in touched.values()]
+
+    def _release_free_rows(self) -> None:
+        """Virtual layout: give the memory of rows no sequence holds back to the OS."""
+        rows = self.block_manager.take_released_rows()
+        if rows:
+            self.runner.release(rows)
 
     def _apply_tier_ops(self) -> None:
         ops = self.block_manager.take_tier_ops()
@@ -427,11 +443,11 @@ class LLMEngine:
             raise _ForwardFailed from error
         self._score_full_blocks(sched)
         self.scheduler.mark_computed(sched)  # sequences over their KV budget evict blocks here
+        if sampled:
+            self._sample(logits, sampled, touched)  # n > 1 siblings fork here
         relocations = self.block_manager.take_relocations()
         if relocations:
             self.runner.apply_block_moves([], [], relocations)
-        if sampled:
-            self._sample(logits, sampled, touched)
 
     def _score_full_blocks(self, sched: SchedulerOutput) -> None:
         """Score, with the eviction policy, the blocks of budgeted sequences this step filled."""
@@ -596,6 +612,7 @@ class LLMEngine:
             "kv_evicted_tokens": blocks.evicted_budget_blocks * self.config.block_size,
             # a token takes a slot in every layer group (sliding groups give theirs back later)
             "kv_capacity_tokens": (blocks.total - 1) * self.config.block_size // len(self.layer_groups),
+            "kv_resident_bytes": self.runner.pool.resident_bytes(),  # the virtual layout's grows with use
             **self.tier_stats(),
             **self.counters,
         }

@@ -120,8 +120,8 @@ def _group_attention(
 
 
 def _gathered_group_attention(
-    q: Tensor,  # [B, H, L, D]: a strided view of the flat queries
-    k: Tensor,  # [1, H_kv, S, D]: each row's keys in logical order from kv_start[row], rows one after another
+    q: Tensor,  # [B, H, L, D]: a strided view of the flat queries ([B, H_kv, L*G, D] packed, see heads_per_kv)
+    k: Tensor,  # [1, H_kv, S, D]: each row's keys in logical order from kv_start[row]
     v: Tensor,
     kv_num_blocks: Tensor,
     kv_indices: Tensor,
@@ -136,14 +136,26 @@ def _gathered_group_attention(
     kv_block: int,
     scale: float | None,
     kernel_options: dict | None,
+    heads_per_kv: int = 1,
 ) -> Tensor:
-    """Prefill rows over gathered keys: logical position = key index - the row's start, so the
-    mask needs no page table (``kv_start[b]`` is one value per row: a scalar in the kernel)."""
+    """Rows whose keys lie in logical order from ``kv_start[b]`` -- prefill rows over gathered
+    keys, or any row of the virtual layout over the pool itself: logical position = key index
+    - the row's start, so the mask needs no page table (``kv_start[b]`` is one value per row:
+    a scalar in the kernel). ``heads_per_kv`` > 1: query heads packed into rows per kv head
+    (decode rows, as :func:`_group_attention`)."""
+    g = heads_per_kv
 
     def positions(b: Tensor, q_idx: Tensor, kv_idx: Tensor) -> tuple[Tensor, Tensor]:
         # recipes may index tables by position: keep positions in range even where masked
         last = (seq_len[b] - 1).clamp(min=0)
-        return torch.minimum(q_start[b] + q_idx, last), (kv_idx - kv_start[b]).clamp(min=0).clamp(max=last)
+        if g == 1:
+            query = q_start[b] + q_idx
+        else:  # packed heads; decode rows hold one token each (no division in the vectorised mask)
+            query = q_start[b] if q_block == 1 else q_start[b] + q_idx // g
+        return torch.minimum(query, last), (kv_idx - kv_start[b]).clamp(min=0).clamp(max=last)
+
+    def query_head(h: Tensor, q_idx: Tensor) -> Tensor:
+        return h * g + q_idx % g if g > 1 else h
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         kv_pos = kv_idx - kv_start[b]
@@ -151,7 +163,7 @@ def _gathered_group_attention(
         if recipe.mask_mod is None:
             return valid
         q_pos, kv_pos = positions(b, q_idx, kv_idx)
-        return valid & recipe.mask_mod(row_seq[b], h, q_pos, kv_pos)
+        return valid & recipe.mask_mod(row_seq[b], query_head(h, q_idx), q_pos, kv_pos)
 
     score_mod = None
     if recipe.score_mod is not None:
@@ -159,10 +171,10 @@ def _gathered_group_attention(
 
         def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             q_pos, kv_pos = positions(b, q_idx, kv_idx)
-            return user_score(score, row_seq[b], h, q_pos, kv_pos)
+            return user_score(score, row_seq[b], query_head(h, q_idx), q_pos, kv_pos)
 
     block_mask = BlockMask.from_kv_blocks(
-        kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, BLOCK_SIZE=(q_block, kv_block),
+        kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, BLOCK_SIZE=(q_block * g, kv_block),
         mask_mod=mask_mod, seq_lengths=(q.shape[2], k.shape[2]), compute_q_blocks=False,
     )
     return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
@@ -244,8 +256,13 @@ _compiled_gathered_group_attention = torch.compile(_gathered_group_attention, dy
 
 
 def _mark_dynamic_gathered(q: Tensor, k: Tensor, v: Tensor, group: AttentionGroup) -> None:
-    """Rows, query length and key length vary between steps; heads and head size stay static."""
-    for t, dims in ((q, (0, 2)), (k, (2,)), (v, (2,)), (group.kv_num_blocks, (0, 2)), (group.kv_indices, (0, 2, 3)),
+    """Rows, query length and key length (of a gathered copy; the pool's stays static) vary
+    between steps; heads and head size stay static."""
+    in_place = group.kv_slots is None
+    keys = () if in_place else (2,)
+    queries = (0,) if in_place and group.q_len == 1 else (0, 2)  # packed decode rows: [B, H_kv, G, D]
+    for t, dims in ((q, queries), (k, keys), (v, keys), (group.kv_num_blocks, (0, 2)),
+                    (group.kv_indices, (0, 2, 3)),
                     (group.full_kv_num_blocks, (0, 2)), (group.full_kv_indices, (0, 2, 3)),
                     (group.row_seq, (0,)), (group.q_start, (0,)), (group.seq_len, (0,)), (group.kv_start, (0,))):
         for dim in dims:
@@ -314,7 +331,7 @@ class FlexRunner:
 
     def _run_group(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, batch: PagedBatch, group: AttentionGroup) -> Tensor:
         """One kernel call for ``group``; returns its output ``[rows * q_len, H, D]`` in padded row order."""
-        if group.kv_slots is not None:
+        if group.kv_start is not None:
             return self._run_gathered_group(q, k_pool, v_pool, group)
         fn = _compiled_group_attention if self.compile else _group_attention
         rows, q_len, heads, dim = group.rows, group.q_len, q.shape[1], q.shape[2]
@@ -337,20 +354,30 @@ class FlexRunner:
         return o.view(rows, kv_heads, q_len, g, dim).permute(0, 2, 1, 3, 4).reshape(rows * q_len, heads, dim)
 
     def _run_gathered_group(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, group: AttentionGroup) -> Tensor:
+        """Rows over keys in logical order: a gathered copy, or the pool's rows in place (virtual layout)."""
         rows, q_len, heads, dim = group.rows, group.q_len, q.shape[1], q.shape[2]
+        kv_heads = k_pool.shape[1]
+        g = heads // kv_heads if group.kv_slots is None and q_len == 1 else 1  # decode rows pack query heads
         q_rows = _contiguous_rows(q) if group.covers_batch_in_order else q.index_select(0, group.gather_index)
-        q_group = q_rows.view(rows, q_len, heads, dim).transpose(1, 2)  # [B, H, L, D]
-        k = k_pool[0].index_select(1, group.kv_slots)[None]  # [1, H_kv, S, D]
-        v = v_pool[0].index_select(1, group.kv_slots)[None]
+        if g > 1:
+            q_group = q_rows.view(rows, kv_heads, g, dim)  # [B, H_kv, G, D]: one token per row
+        else:
+            q_group = q_rows.view(rows, q_len, heads, dim).transpose(1, 2)  # [B, H, L, D]
+        if group.kv_slots is None:
+            k, v = k_pool, v_pool
+        else:
+            k = k_pool[0].index_select(1, group.kv_slots)[None]  # [1, H_kv, S, D]
+            v = v_pool[0].index_select(1, group.kv_slots)[None]
         fn = _compiled_gathered_group_attention if self.compile else _gathered_group_attention
         if self.compile:
             _mark_dynamic_gathered(q_group, k, v, group)
         o = call_compiled(
             fn, q_group, k, v, group.kv_num_blocks, group.kv_indices, group.full_kv_num_blocks, group.full_kv_indices,
             group.row_seq, group.q_start, group.seq_len, group.kv_start, self.recipe, group.q_block, group.kv_block,
-            self.scale,
-            self._kernel_options(q.device),
+            self.scale, self._kernel_options(q.device), g,
         )
+        if g > 1:
+            return o.reshape(rows, heads, dim)
         return o.transpose(1, 2).reshape(rows * q_len, heads, dim)  # a view where the kernel kept q's layout
 
 

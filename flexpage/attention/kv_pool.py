@@ -10,6 +10,10 @@ On the CPU the pool is anonymous memory advised onto 2 MB pages and claimed in f
 it is made (:func:`allocate_pool`), as a serving engine reserves its KV cache up front:
 attention's reads of a large pool take far fewer TLB misses than on 4 KB pages, and no
 step pays for first-touch page faults (they made a 4 x 256-token prefill step ~13% slower).
+
+The *virtual* layout (``layout="virtual"``) keeps this shape and these block ids over a
+reservation of address space instead (:mod:`flexpage.attention.virtual_arena`): memory
+arrives page by page as tokens are written and :meth:`KVPool.release` gives it back.
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ from collections.abc import Sequence
 import torch
 
 from flexpage.attention.errors import check_arg
+from flexpage.attention.virtual_arena import VirtualArena
+
+#: where K/V live: one pool of blocks claimed up front, or one reserved row per sequence
+KV_LAYOUTS = ("paged", "virtual")
 
 
 class KVPool:
@@ -36,7 +44,12 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        layout: str = "paged",
     ) -> None:
+        """``layout``: ``"paged"`` claims the memory now (2 MB pages, populated); ``"virtual"``
+        reserves address space that the OS backs page by page as tokens are written
+        (:class:`~flexpage.attention.virtual_arena.VirtualArena`; CPU only), and
+        :meth:`release` gives pages back."""
         for name, value in (
             ("num_layers", num_layers),
             ("num_blocks", num_blocks),
@@ -46,6 +59,9 @@ class KVPool:
         ):
             check_arg(isinstance(value, int) and value > 0, name, value, "a positive int")
         check_arg(num_blocks >= 2, "num_blocks", num_blocks, "at least 2 (block 0 is the null block)")
+        check_arg(layout in KV_LAYOUTS, "layout", layout, f"one of {KV_LAYOUTS}")
+        check_arg(layout == "paged" or torch.device(device).type == "cpu", "layout", layout,
+                  "'paged' off the CPU (the virtual layout relies on the OS's demand paging)")
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -54,8 +70,11 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_layers, 2, 1, num_kv_heads, num_blocks * block_size, head_dim)
+        self.layout = layout
+        #: the virtual layout's reservation (None: paged)
+        self.arena = VirtualArena(shape, dtype) if layout == "virtual" else None
         # one allocation for everything, so swap/copy of a block touches one tensor
-        self.storage = allocate_pool(shape, dtype, self.device)
+        self.storage = self.arena.tensor if self.arena is not None else allocate_pool(shape, dtype, self.device)
         self._layers = [(_separate_tensor(self.storage[i, 0]), _separate_tensor(self.storage[i, 1]))
                         for i in range(num_layers)]
 
@@ -107,6 +126,17 @@ class KVPool:
         """Inverse of :meth:`read_blocks` (for swapping in)."""
         slots = self._block_slots(blocks)
         self.storage.view(-1, self.num_slots, self.head_dim)[:, slots] = data
+
+    def release(self, block_ranges: list[tuple[int, int]]) -> int:
+        """Return the memory of blocks ``[start, end)`` to the OS (virtual layout; the blocks
+        read zeros afterwards); returns the bytes released. The paged layout keeps its memory."""
+        if self.arena is None or not block_ranges:
+            return 0
+        return self.arena.release((start * self.block_size, end * self.block_size) for start, end in block_ranges)
+
+    def resident_bytes(self) -> int:
+        """Bytes of KV storage in RAM now (the paged layout's is all of it)."""
+        return self.arena.resident_bytes() if self.arena is not None else self.storage.numel() * self.storage.element_size()
 
     def _block_slots(self, blocks: list[int]) -> torch.Tensor:
         return block_slots(blocks, self.block_size, self.device)

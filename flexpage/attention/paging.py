@@ -78,8 +78,10 @@ class AttentionGroup:
     #: [kv_len] int64 pool slots the group reads, gathered: each row's keys in logical order,
     #: padded to whole key blocks (slot 0, the null page), rows one after another; key block
     #: ids count in this copy. None: the group reads the pool in place, block ids count in it
+    #: (with ``kv_start`` set, each row's keys lie in logical order from ``kv_start[row]``:
+    #: the virtual layout's rows; without it, through ``page_to_logical``)
     kv_slots: Tensor | None = None
-    kv_start: Tensor | None = None  # [B] int32, where each row's keys start in the gathered copy
+    kv_start: Tensor | None = None  # [B] int32, where each row's keys start in the gathered copy (or the pool)
     #: the padded rows are exactly the batch's tokens in flat order (no padding, no other group):
     #: the queries need no gather and the output no scatter
     covers_batch_in_order: bool = False
@@ -123,6 +125,7 @@ def build_paged_batch(
     num_threads: int | None = None,
     deterministic: bool = False,
     evicted_pages: bool = False,
+    contiguous_rows: bool = False,
 ) -> PagedBatch:
     """Plan one step of paged attention.
 
@@ -154,6 +157,11 @@ def build_paged_batch(
     ``evicted_pages``: decode rows may hold the null page anywhere before their new token --
     blocks a KV budget evicted (:mod:`flexpage.core.eviction`); they read the pool in place
     and never list it. Without it such a page is a sequence longer than its blocks (an error).
+
+    ``contiguous_rows``: every sequence's pages are consecutive from an aligned kernel key
+    block (the virtual layout, :mod:`flexpage.core.row_pool`): every group reads the pool in
+    place with logical position = slot - the row's first slot, a mask built from lengths
+    alone (no page table, no gathered copy; decode rows still pack query heads).
     """
     check_arg(isinstance(pages_per_block, int) and pages_per_block >= 1, "pages_per_block", pages_per_block,
               "a positive int")
@@ -163,6 +171,8 @@ def build_paged_batch(
               "None or a positive int")
     check_arg(num_pages % pages_per_block == 0, "num_pages", num_pages,
               f"a multiple of pages_per_block={pages_per_block}")
+    check_arg(not (contiguous_rows and (deterministic or evicted_pages)), "contiguous_rows", contiguous_rows,
+              "False with deterministic planning or evicted pages")
     # the plan is index arithmetic on small host arrays: numpy's per-op cost is a few times
     # lower than torch's, and the results are handed over as tensors without copies
     tables, seq_lens_n, query_lens_n = check_paging_inputs(block_tables, seq_lens, query_lens, page_size, num_pages,
@@ -174,8 +184,13 @@ def build_paged_batch(
     positions, slots = _positions_and_slots(tables, seq_lens_n, query_lens_n, page_size)
     width = tables.shape[1]
     in_use = (np.arange(width)[None, :] < ((seq_lens_n + page_size - 1) // page_size)[:, None]) & (tables != 0)
-    page_to_logical = torch.from_numpy(_page_to_logical(tables, in_use, num_pages))
-    one_owner = _one_owner_per_block(tables, in_use, pages_per_block, num_pages)
+    row_starts = None
+    if contiguous_rows:
+        row_starts = _row_starts(tables, in_use, page_size, pages_per_block)
+        page_to_logical, one_owner = torch.empty(0, dtype=torch.int32), True
+    else:
+        page_to_logical = torch.from_numpy(_page_to_logical(tables, in_use, num_pages))
+        one_owner = _one_owner_per_block(tables, in_use, pages_per_block, num_pages)
     is_decode = query_lens_n == 1
     threads = torch.get_num_threads() if num_threads is None else num_threads
     groups = []
@@ -193,7 +208,7 @@ def build_paged_batch(
                 rows, tables, seq_lens_n, query_lens_n, starts, page_to_logical,
                 num_rows=num_rows, num_tokens=num_tokens, num_pages=num_pages, page_size=page_size,
                 q_block=q_block, pages_per_block=pages_per_block, recipe=recipe, bucket=bucket,
-                gather=q_block > DECODE_Q_BLOCK, all_partial=deterministic,
+                gather=q_block > DECODE_Q_BLOCK, all_partial=deterministic, row_starts=row_starts,
             )
         )
     return PagedBatch(num_tokens, page_size, num_pages, pages_per_block, tuple(groups), one_owner,
@@ -216,6 +231,18 @@ def _positions_and_slots(
     positions = token_positions(seq_lens, query_lens)
     pages = tables[seq_of_token, positions // page_size]
     return positions, pages * page_size + positions % page_size
+
+
+def _row_starts(tables: np.ndarray, in_use: np.ndarray, page_size: int, pages_per_block: int) -> np.ndarray:
+    """First slot of each sequence's row: its pages must be consecutive from an aligned kernel
+    key block (``contiguous_rows``)."""
+    first = tables[:, :1]
+    expected = first + np.arange(tables.shape[1])[None, :]
+    bad = np.flatnonzero((in_use & (tables != expected)).any(1) | (first[:, 0] % pages_per_block != 0))
+    if bad.size:
+        raise ValueError(f"block_tables: row {int(bad[0])} ({tables[bad[0]].tolist()}) is not consecutive pages from "
+                         f"a multiple of pages_per_block={pages_per_block} (contiguous_rows)")
+    return first[:, 0].astype(np.int64) * page_size
 
 
 def _page_to_logical(tables: np.ndarray, in_use: np.ndarray, num_pages: int) -> np.ndarray:
@@ -278,6 +305,7 @@ def _build_group(
     bucket: bool,
     gather: bool,
     all_partial: bool = False,
+    row_starts: np.ndarray | None = None,  # [S] first slot of each sequence's row: read rows in place
 ) -> AttentionGroup:
     n = rows.size
     max_q = int(query_lens[rows].max())
@@ -317,17 +345,22 @@ def _build_group(
         return may, every & may & (kv_hi < seq_len[:, None, None])
 
     kv_slots = kv_start = None
-    if gather:  # the row's j-th key block holds its positions [j*K, (j+1)*K)
-        kv_block = PREFILL_KV_BLOCK
+    if gather or row_starts is not None:  # the row's j-th key block holds its positions [j*K, (j+1)*K)
+        kv_block = PREFILL_KV_BLOCK if row_starts is None else page_size * pages_per_block
         row_blocks = -(-seq_len // kv_block)
         kv_lo = (np.arange(max(1, int(row_blocks.max()))) * kv_block)[None, None, :]
         may, every = verdicts(kv_lo, kv_lo + kv_block - 1)
         partial, full = (may, np.zeros_like(may)) if all_partial else (may & ~every, every)
-        first_block = np.cumsum(row_blocks) - row_blocks
+        if row_starts is None:  # a gathered copy: rows one after another
+            first_block = np.cumsum(row_blocks) - row_blocks
+            num_blocks = max(2, int(row_blocks.sum()))  # >= 2: Dynamo specialises a size of 1
+            row_start = first_block * kv_block
+            kv_slots = torch.from_numpy(_gather_slots(table, seq_len, page_size, row_start, num_blocks * kv_block))
+        else:  # the pool's own rows (padding rows start at slot 0 and list nothing)
+            row_start = padded(row_starts[rows])
+            first_block = row_start // kv_block
+            num_blocks = num_pages // pages_per_block
         block_ids = first_block[:, None] + np.arange(kv_lo.shape[-1])[None, :]  # past a row's blocks: never listed
-        num_blocks = max(2, int(row_blocks.sum()))  # >= 2: Dynamo specialises a size of 1
-        row_start = first_block * kv_block
-        kv_slots = torch.from_numpy(_gather_slots(table, seq_len, page_size, row_start, num_blocks * kv_block))
         kv_start = torch.from_numpy(row_start.astype(np.int32))
     else:  # pages of the pool, read in place
         kv_block = page_size * pages_per_block

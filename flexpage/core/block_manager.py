@@ -43,6 +43,13 @@ the scheduler computes only the hole (:meth:`BlockManager.computable_tokens`), a
 :meth:`BlockManager.mark_computed` then jumps past the restored range. A causal query in the
 hole never reads the blocks after it, so the result equals a full recompute. Holes need
 every layer group to be full attention (a sliding group's hit depends on its window).
+
+Virtual layout (``virtual_rows``; :mod:`flexpage.core.row_pool`): each sequence's table is
+one row of consecutive blocks per layer group, ``num_blocks`` caps the blocks in use, and
+nothing is shared: no prefix caching, sliding groups keep their blocks (their row stays
+contiguous), and :meth:`BlockManager.fork` copies the parent's blocks into rows the parent
+reserved at admission for its ``n - 1`` siblings (the copies come from
+:meth:`BlockManager.take_relocations`).
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from flexpage.core.block_stats import BlockStats
 from flexpage.core.eviction import blocks_to_evict, runs_are_scattered
 from flexpage.core.kv_tiers import KVTiers, TierOp
 from flexpage.core.layer_groups import blocks_out_of_window, group_key, prefix_hit
+from flexpage.core.row_pool import RowPool
 from flexpage.core.sequence import Sequence
 
 __all__ = ["BlockManager", "BlockStats"]
@@ -123,6 +131,7 @@ class BlockManager:
         run_length: int = 1,
         group_windows: SequenceABC[int | None] = (None,),
         tiers: KVTiers | None = None,
+        virtual_rows: int = 0,
     ) -> None:
         """``run_length``: blocks per aligned run, the attention kernel's key block (see BlockPool).
 
@@ -131,6 +140,9 @@ class BlockManager:
 
         ``tiers``: where evicted prefix-cache blocks go (see :mod:`flexpage.core.kv_tiers`);
         needs prefix caching.
+
+        ``virtual_rows``: the virtual layout's rows (0: paged); each is ``run_length`` blocks
+        and ``num_blocks - 1`` blocks may be in use at once (see the module docstring).
         """
         group_windows = tuple(group_windows)
         if not group_windows or len(group_windows) > 0xFFFF:
@@ -146,7 +158,13 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.num_host_blocks = num_host_blocks
-        self.pool = BlockPool(num_blocks, run_length)
+        _check_int("virtual_rows", virtual_rows, 0)
+        if virtual_rows and self.enable_prefix_caching:
+            raise ValueError("enable_prefix_caching: the virtual KV layout shares no blocks; set it False")
+        #: the virtual layout: each sequence's table is rows of consecutive blocks (see RowPool)
+        self.contiguous = bool(virtual_rows)
+        self.pool = RowPool(virtual_rows, run_length, num_blocks - 1) if virtual_rows else BlockPool(num_blocks, run_length)
+        self._reserved: dict[int, list[list[list[int]]]] = {}  # by seq_id: rows for forks (virtual)
         self._host_free: deque[int] = deque(range(num_host_blocks))
         self._prefix_queries = 0
         self._prefix_hits = 0
@@ -170,6 +188,8 @@ class BlockManager:
         return len(self.group_windows)
 
     def _released(self, group: int, num_computed_tokens: int) -> int:
+        if self.contiguous:  # a row stays whole (attention never reads past a window anyway)
+            return 0
         return blocks_out_of_window(self.group_windows[group], self.block_size, num_computed_tokens)
 
     def _empty(self) -> list[list[int]]:
@@ -251,6 +271,11 @@ class BlockManager:
         info = self._block_info.get(key) if key is not None else None
         return info[2] if info is not None else None
 
+    def take_released_rows(self) -> list[tuple[int, int]]:
+        """Virtual layout: block ranges of rows freed since the last call and still free, whose
+        memory can go back to the OS (before anything writes there again); paged: none."""
+        return self.pool.take_released_rows() if isinstance(self.pool, RowPool) else []
+
     def take_tier_ops(self) -> list[TierOp]:
         """Tier copies (spills of evicted blocks, restores of hits) decided since the last call:
         run them in order before the step's other copies (a spilled block may be reused by them)."""
@@ -323,12 +348,20 @@ class BlockManager:
         return total
 
     def blocks_for_admission(self, seq: Sequence) -> int:
-        """Blocks a fresh allocation of ``seq`` takes with an empty prefix cache (all groups)."""
-        return seq.num_blocks_needed(self.block_size) * self.num_groups
+        """Blocks a fresh allocation of ``seq`` takes with an empty prefix cache (all groups;
+        in the virtual layout also the copies for its forks)."""
+        return seq.num_blocks_needed(self.block_size) * self.num_groups * self._copies(seq)
+
+    def _copies(self, seq: Sequence) -> int:
+        """How many copies of its blocks a fresh allocation of ``seq`` holds: one, or in the
+        virtual layout one per parallel sample still to fork (it shares nothing)."""
+        return 1 + seq.samples_to_fork if self.contiguous else 1
 
     def can_allocate(self, seq: Sequence, watermark_blocks: int = 0) -> bool:
         """Whether :meth:`allocate` fits while keeping ``watermark_blocks`` spare."""
-        need = self._blocks_to_allocate(seq, self._cached_prefix(seq))
+        need = self._blocks_to_allocate(seq, self._cached_prefix(seq)) * self._copies(seq)
+        if self.contiguous and self.pool.num_free_runs < self.num_groups * self._copies(seq):
+            return False
         return self.pool.num_free_or_cached - need >= watermark_blocks
 
     def allocate(self, seq: Sequence) -> int:
@@ -342,7 +375,7 @@ class BlockManager:
         if self.holds_blocks(seq):
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
         plan = self._cached_prefix(seq)
-        if self._blocks_to_allocate(seq, plan) > self.pool.num_free_or_cached:
+        if not self.can_allocate(seq):
             raise NoFreeBlocksError(f"not enough blocks to allocate sequence {seq.seq_id}")
         # every group's hits first: a fresh block may evict the LRU cached block, which must not
         # be a hit another group is about to revive (it would then sit in two groups' tables)
@@ -372,6 +405,9 @@ class BlockManager:
             self.tiers.pinned = set()
         held = self._of(seq)
         held.device = tables
+        if self._copies(seq) > 1:
+            self._reserved[seq.seq_id] = [[self._fresh_row(len(table)) for table in tables]
+                                          for _ in range(seq.samples_to_fork)]
         bs = self.block_size
         if plan.resume_start > plan.computed:
             held.resume = (plan.resume_start * bs, len(plan.ids[0]) * bs)
@@ -438,6 +474,12 @@ class BlockManager:
             while len(table) < needed:
                 table.append(self._allocate_after(table))
         return copies
+
+    def _fresh_row(self, num_blocks: int) -> list[int]:
+        table: list[int] = []
+        for _ in range(num_blocks):
+            table.append(self._allocate_after(table))
+        return table
 
     def _allocate_after(self, table: list[int]) -> int:
         """A new block for the end of ``table``, continuing its last block's run if possible."""
@@ -519,9 +561,10 @@ class BlockManager:
             self.pool.decref(block_id)
 
     def take_relocations(self) -> list[tuple[int, int]]:
-        """``(src, dst)`` device block copies that packing kept pages into runs made: apply them
-        (one batched gather-then-scatter) before anything else reads or reuses those blocks,
-        i.e. right after the step's :meth:`mark_computed` calls."""
+        """``(src, dst)`` device block copies that packing kept pages into runs made, or that
+        forks in the virtual layout need: apply them (one batched gather-then-scatter) before
+        anything else reads or reuses those blocks, i.e. right after the step's
+        :meth:`mark_computed` calls and forks."""
         moves, self._relocations = self._relocations, []
         return moves
 
@@ -567,13 +610,18 @@ class BlockManager:
         of ``parent``'s blocks.
 
         Nothing is copied now; the first write into a shared partial block
-        triggers copy-on-write in :meth:`append_slots`.
+        triggers copy-on-write in :meth:`append_slots`. In the virtual layout the child gets
+        rows the parent reserved at admission, and the parent's blocks are copied into them
+        (:meth:`take_relocations`).
         """
         tables = self.block_tables(parent)
         if not tables[0]:
             raise ValueError(f"parent sequence {parent.seq_id} holds no device blocks")
         if self.holds_blocks(child):
             raise ValueError(f"child sequence {child.seq_id} already holds blocks")
+        if self.contiguous:
+            self._fork_by_copy(parent, child, tables)
+            return
         for table in tables:
             for block_id in table:
                 if block_id != NULL_BLOCK_ID:
@@ -583,6 +631,20 @@ class BlockManager:
                                          dict(parent_held.scores), parent_held.scored_upto, parent_held.hash_limit,
                                          parent_held.resume)
 
+    def _fork_by_copy(self, parent: Sequence, child: Sequence, tables: list[list[int]]) -> None:
+        reserved = self._reserved.get(parent.seq_id)
+        if not reserved:
+            raise ValueError(f"parent sequence {parent.seq_id} reserved no rows for forks (virtual layout: "
+                             "admit it with samples_to_fork set)")
+        rows = reserved.pop()
+        if not reserved:
+            del self._reserved[parent.seq_id]
+        for table, row in zip(tables, rows):
+            while len(row) < len(table):  # the parent grew since admission
+                row.append(self._allocate_after(row))
+            self._relocations.extend(zip(table, row))
+        self._held[child.seq_id] = _Held(rows, self._empty())
+
     def free(self, seq: Sequence) -> None:
         """Release every device and host block of ``seq`` at once (idempotent); the
         sequence's KV is gone, so its ``num_computed_tokens`` no longer holds.
@@ -590,6 +652,10 @@ class BlockManager:
         Blocks are released tail first, so a sequence's later blocks are
         evicted before its earlier ones: a cached prefix stays reachable longer.
         """
+        for rows in self._reserved.pop(seq.seq_id, []):
+            for row in rows:
+                for block_id in reversed(row):
+                    self.pool.decref(block_id)
         held = self._held.pop(seq.seq_id, None)
         if held is None:
             return
@@ -647,6 +713,8 @@ class BlockManager:
         if not host_tables[0]:
             return False
         # host tables hold live blocks only (and host slot 0 is an ordinary slot)
+        if self.contiguous and self.pool.num_free_runs < self.num_groups:
+            return False
         return self.pool.num_free_or_cached - sum(map(len, host_tables)) >= watermark_blocks
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:

@@ -109,6 +109,12 @@ class Scheduler:
                 f"block_size={bm.block_size}{groups}, but the pool has num_blocks={bm.num_blocks} "
                 f"({bm.num_usable_blocks} usable; block 0 is reserved)"
             )
+        if bm.contiguous and bm.num_groups * (1 + seq.samples_to_fork) > bm.pool.num_rows:
+            raise ValueError(
+                f"sequence {seq.seq_id} with {1 + seq.samples_to_fork} parallel samples needs "
+                f"{bm.num_groups * (1 + seq.samples_to_fork)} rows of the virtual KV arena, which has "
+                f"{bm.pool.num_rows} (max_num_seqs x layer groups)"
+            )
         self._seqs[seq.seq_id] = seq
         self._enqueue(self.waiting, seq)
 

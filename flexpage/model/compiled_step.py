@@ -7,6 +7,7 @@ pool, paged FlexAttention, the MLP -- and the final norm and LM head over the sa
 are traced into one ``torch.compile`` graph: one guard check per step, elementwise ops
 fused by Inductor. Decode rows read the pool in place and prefill rows a gathered copy of
 their keys, as in :class:`~flexpage.attention.flex.FlexRunner`; a step holds either or both.
+In the virtual layout both read each sequence's row of the pool in place.
 
 What makes the graph cheap to build and to run:
 
@@ -91,9 +92,8 @@ class CompiledStep:
 
     @staticmethod
     def accepts(batch: PagedBatch) -> bool:
-        """True for a step this graph runs: at most one group of decode rows read in place and
-        at most one group of prefill rows over gathered keys (every step the engine plans
-        outside deterministic mode)."""
+        """True for a step this graph runs: at most one group of decode rows and one of prefill
+        rows, as the engine plans them outside deterministic mode."""
         kinds = [_kind(group) for group in batch.groups]
         return len(kinds) == len(set(kinds)) and None not in kinds
 
@@ -113,7 +113,7 @@ class CompiledStep:
             torch._dynamo.maybe_mark_dynamic(t, 0)
         plan: list[Tensor] = []
         for group in batch.groups:
-            plan.extend(_decode_plan(group) if _kind(group) == "decode" else _prefill_plan(group))
+            plan.extend(_PLANS[_kind(group)](group))  # type: ignore[index]
         program = _program(self.shape, tuple((_kind(g), g.q_block, g.kv_block) for g in batch.groups))
         self.steps_run += 1
         logits = call_compiled(program, self.decoder.embed, self.layer_weights, self.layer_pools, self.head,
@@ -126,9 +126,11 @@ def _weight_and_bias(linear: PackedLinear) -> tuple[Tensor, Tensor | None]:
 
 
 def _kind(group: AttentionGroup) -> str | None:
-    if group.kv_slots is None:
+    if group.kv_start is None:  # pages of the pool through the page table
         return "decode" if group.q_len == 1 else None
-    return "prefill"
+    if group.kv_slots is not None:
+        return "prefill"
+    return "row_decode" if group.q_len == 1 else "row_prefill"  # the virtual layout's rows
 
 
 # Every per-step size the graph sees is at least 2: Dynamo specialises sizes of 1, and each
@@ -173,9 +175,23 @@ def _decode_plan(group: AttentionGroup) -> list[Tensor]:
     return plan
 
 
+def _row_decode_plan(group: AttentionGroup) -> list[Tensor]:
+    """A virtual-layout decode group's per-step tensors (as :func:`_decode_plan`, with each
+    row's first slot in place of the page table)."""
+    rows = max(group.rows, _MIN_SIZE)
+    plan = [_standard_strides(_pad_to(t, 0, rows)) for t in (
+        group.kv_num_blocks, group.kv_indices, group.full_kv_num_blocks, group.full_kv_indices, group.row_seq,
+        group.q_start, group.seq_len, group.kv_start, group.gather_index)]
+    plan += [_at_least_two(group.scatter_rows), _at_least_two(group.scatter_tokens)]
+    for t in plan:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    return plan
+
+
 def _prefill_plan(group: AttentionGroup) -> list[Tensor]:
     """A prefill group's per-step tensors (as :func:`flexpage.attention.flex._mark_dynamic_gathered`);
-    the query gather comes as ``[rows, query length]``, which gives the graph both sizes."""
+    the query gather comes as ``[rows, query length]``, which gives the graph both sizes. In
+    the virtual layout (no gathered copy) the key slots are left out."""
     rows = max(group.rows, _MIN_SIZE)
     q_len = max(group.q_len, _MIN_SIZE * group.q_block)
     q_blocks = q_len // group.q_block
@@ -185,15 +201,18 @@ def _prefill_plan(group: AttentionGroup) -> list[Tensor]:
     gather = _pad_to(_pad_to(group.gather_index.view(group.rows, group.q_len), 1, q_len), 0, rows)
     # scatter_rows count in the flattened [rows, query length] gather: renumber for the new length
     scatter_rows = group.scatter_rows // group.q_len * q_len + group.scatter_rows % group.q_len
-    plan = [*blocks, *per_row, group.kv_slots, gather, _at_least_two(scatter_rows),
-            _at_least_two(group.scatter_tokens)]
-    for t, dims in zip(plan, ((0, 2), (0, 2, 3), (0, 2), (0, 2, 3), (0,), (0,), (0,), (0,), (0,), (0, 1), (0,), (0,))):
+    keys = [group.kv_slots] if group.kv_slots is not None else []
+    plan = [*blocks, *per_row, *keys, gather, _at_least_two(scatter_rows), _at_least_two(group.scatter_tokens)]
+    dynamic = ((0, 2), (0, 2, 3), (0, 2), (0, 2, 3), (0,), (0,), (0,), (0,), *[(0,)] * len(keys), (0, 1), (0,), (0,))
+    for t, dims in zip(plan, dynamic):
         for dim in dims:
             torch._dynamo.maybe_mark_dynamic(t, dim)
     return plan
 
 
-_PLAN_SIZES = {"decode": 12, "prefill": 12}
+_PLANS = {"decode": _decode_plan, "prefill": _prefill_plan, "row_decode": _row_decode_plan,
+          "row_prefill": _prefill_plan}
+_PLAN_SIZES = {"decode": 12, "prefill": 12, "row_decode": 11, "row_prefill": 11}
 
 
 @functools.cache
@@ -227,16 +246,32 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
         )
         return out.reshape(rows, heads * dim).index_select(0, scatter_rows), scatter_tokens
 
+    def row_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_block: int, kv_num_blocks: Tensor,
+                             kv_indices: Tensor, full_kv_num_blocks: Tensor, full_kv_indices: Tensor, row_seq: Tensor,
+                             q_start: Tensor, seq_len: Tensor, kv_start: Tensor, gather_index: Tensor,
+                             scatter_rows: Tensor, scatter_tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Decode rows over their rows of the pool (virtual layout), query heads packed per kv head."""
+        rows = gather_index.shape[0]
+        q = q.index_select(0, gather_index).view(rows, kv_heads, group_size, dim)
+        out = _gathered_group_attention(
+            q, k_pool, v_pool, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, row_seq, q_start,
+            seq_len, kv_start, shape.recipe, 1, kv_block, shape.scale, kernel_options, group_size,
+        )
+        return out.reshape(rows, heads * dim).index_select(0, scatter_rows), scatter_tokens
+
     def prefill_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, q_block: int, kv_block: int,
                           kv_num_blocks: Tensor, kv_indices: Tensor, full_kv_num_blocks: Tensor,
                           full_kv_indices: Tensor, row_seq: Tensor, q_start: Tensor, seq_len: Tensor, kv_start: Tensor,
-                          kv_slots: Tensor, gather_index: Tensor, scatter_rows: Tensor,
-                          scatter_tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """Prefill rows over a gathered copy of their keys (as FlexRunner's prefill path)."""
+                          *keys_and_rows: Tensor) -> tuple[Tensor, Tensor]:
+        """Prefill rows over a gathered copy of their keys (as FlexRunner's prefill path), or
+        over their rows of the pool in place (virtual layout: no ``kv_slots``)."""
+        *kv_slots, gather_index, scatter_rows, scatter_tokens = keys_and_rows
         rows, q_len = gather_index.shape
         q = q.index_select(0, gather_index.flatten()).view(rows, q_len, heads, dim).transpose(1, 2)
-        k = k_pool[0].index_select(1, kv_slots)[None]
-        v = v_pool[0].index_select(1, kv_slots)[None]
+        k, v = k_pool, v_pool
+        if kv_slots:
+            k = k_pool[0].index_select(1, kv_slots[0])[None]
+            v = v_pool[0].index_select(1, kv_slots[0])[None]
         out = _gathered_group_attention(
             q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, row_seq, q_start, seq_len,
             kv_start, shape.recipe, q_block, kv_block, shape.scale, kernel_options,
@@ -267,6 +302,8 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
             start += _PLAN_SIZES[kind]
             if kind == "decode":
                 rows_out, tokens = decode_attention(q, k_pool, v_pool, *group_plan)
+            elif kind == "row_decode":
+                rows_out, tokens = row_decode_attention(q, k_pool, v_pool, kv_block, *group_plan)
             else:
                 rows_out, tokens = prefill_attention(q, k_pool, v_pool, q_block, kv_block, *group_plan)
             out = out.index_copy(0, tokens, rows_out)

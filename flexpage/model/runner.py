@@ -100,6 +100,8 @@ class PagedStep:
     layer_group: tuple[int, ...] = ()
     layer_slot: tuple[int, ...] = ()
     evicted_pages: bool = False  # see StepInputs.evicted_pages
+    #: every sequence's table is one row of consecutive blocks (the virtual layout)
+    contiguous_rows: bool = False
 
     def batch_for(self, recipe: Recipe, group: int = 0) -> PagedBatch:
         key = (recipe, group)
@@ -108,7 +110,7 @@ class PagedStep:
                 self.group_tables[group] if group else self.block_tables, self.seq_lens, self.query_lens,
                 page_size=self.pool.block_size, num_pages=self.pool.num_blocks, recipe=recipe,
                 pages_per_block=self.pages_per_block, deterministic=self.deterministic,
-                evicted_pages=self.evicted_pages,
+                evicted_pages=self.evicted_pages, contiguous_rows=self.contiguous_rows,
             )
         return self.batches[key]
 
@@ -181,7 +183,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int, compile: bool = True,
                  num_host_blocks: int = 0, blocks_per_attention_block: int = 1, model_impl: str = "auto",
                  recipes: Sequence[Recipe] | None = None, deterministic: bool = False,
-                 compile_step: bool = True) -> None:
+                 compile_step: bool = True, kv_layout: str = "paged") -> None:
         """``recipes``: one per decoder layer (:func:`~flexpage.model.layer_recipes.engine_recipes`);
         None: the model's own (:func:`~flexpage.model.layer_recipes.model_recipes`).
 
@@ -195,6 +197,11 @@ class ModelRunner:
         ``compile_step``: steps of the compact forward run as one compiled graph each
         (:class:`~flexpage.model.compiled_step.CompiledStep`) where it applies: compiled,
         not deterministic, on the CPU, one layer group and one recipe for every layer.
+
+        ``kv_layout``: ``"paged"``, or ``"virtual"``: the pool is reserved address space backed
+        on first write (:class:`~flexpage.attention.virtual_arena.VirtualArena`), every block
+        table is one row of consecutive blocks, and attention reads the rows in place
+        (``build_paged_batch(contiguous_rows=True)``); :meth:`release` gives rows' memory back.
         """
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl: got {model_impl!r}, expected one of {MODEL_IMPLS}")
@@ -220,6 +227,8 @@ class ModelRunner:
         self.deterministic = deterministic
         if deterministic:
             check_deterministic_supported(compile)
+            if kv_layout != "paged":
+                raise ValueError("kv_layout: deterministic mode runs on the paged layout only")
         row_tile = DETERMINISTIC_ROW_TILE if deterministic else None
         self.compact = (CompactDecoder(model, row_tile=row_tile) if model_impl != "transformers" and supports(model)
                         else None)
@@ -240,6 +249,7 @@ class ModelRunner:
             num_kv_heads=getattr(text_config, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
             dtype=self.dtype,
+            layout=kv_layout,
         )
         self.compile = compile
         self.compiled_step = (
@@ -278,6 +288,7 @@ class ModelRunner:
             deterministic=self.deterministic,
             runners=self._runners,
             evicted_pages=inputs.evicted_pages,
+            contiguous_rows=self.pool.layout == "virtual",
         )
         positions = torch.from_numpy(token_positions(np.asarray(inputs.seq_lens, dtype=np.int64),
                                                      np.asarray(inputs.query_lens, dtype=np.int64)))
@@ -302,6 +313,11 @@ class ModelRunner:
             finally:
                 self.current_step = None
         return out.logits[0].float()
+
+    def release(self, block_ranges: list[tuple[int, int]]) -> int:
+        """Give the memory of freed rows ``[start, end)`` back to the OS (virtual layout; a no-op
+        when paged); returns the bytes released."""
+        return self.pool.release(block_ranges)
 
     def apply_block_moves(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
                           copies: list[tuple[int, int]]) -> None:

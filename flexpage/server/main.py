@@ -51,6 +51,8 @@ class ServeSettings:
     disk_kv_dir: str | None = None  # EngineConfig.disk_kv_dir
     disk_kv_bytes: str = "0"  # EngineConfig.disk_kv_bytes
     kv_tier_policy: str = "retention"  # EngineConfig.kv_tier_policy
+    kv_layout: str = "paged"  # EngineConfig.kv_layout
+    kv_resident_bytes: str | None = None  # EngineConfig.kv_resident_bytes
     enable_prefix_caching: bool = True
     swap_space: str = "0"
     preemption_mode: str = "recompute"
@@ -90,6 +92,7 @@ def run_server(settings: ServeSettings) -> int:
         compile_step=settings.compile_step, kv_budget_tokens=settings.kv_budget_tokens,
         kv_eviction=settings.kv_eviction, host_kv_bytes=settings.host_kv_bytes, disk_kv_dir=settings.disk_kv_dir,
         disk_kv_bytes=settings.disk_kv_bytes, kv_tier_policy=settings.kv_tier_policy,
+        kv_layout=settings.kv_layout, kv_resident_bytes=settings.kv_resident_bytes,
     )
     timings = {"load": 0.0, "warm-up": 0.0}
 
@@ -170,7 +173,9 @@ def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str
                               f"x {engine.config.block_size}")
     table.add_row("max model len", f"{engine.max_model_len:,} tokens; max {engine.config.max_num_seqs} sequences, "
                                    f"{engine.config.max_num_batched_tokens} batched tokens / step")
-    table.add_row("prefix caching", "on" if engine.config.enable_prefix_caching else "off")
+    table.add_row("KV layout", _layout_summary(engine))
+    table.add_row("prefix caching", "on" if engine.config.enable_prefix_caching
+                  else "off" + (" (the virtual layout shares no blocks)" if engine.config.kv_layout == "virtual" else ""))
     budget = engine.config.kv_budget_tokens
     table.add_row("KV budget", f"{budget} tokens per sequence, {engine.eviction_policy.name} eviction"
                   if budget is not None and engine.eviction_policy.token_scores is not None
@@ -196,6 +201,17 @@ def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str
     table.add_row("startup", f"load {load_s:.1f} s, warm-up {warm_s:.1f} s")
     console.print(Panel(table, title="[bold]flexpage serve[/bold]", subtitle="Ctrl-C drains and stops",
                         expand=False))
+
+
+def _layout_summary(engine: Any) -> str:
+    """The KV layout, and for the virtual one what the OS will do with its reservation."""
+    pool = engine.runner.pool
+    if pool.arena is None:
+        return f"paged ({_gib(pool.storage.numel() * pool.storage.element_size())} claimed at start)"
+    from flexpage.attention.virtual_arena import overcommit_mode, transparent_huge_pages
+
+    return (f"virtual ({_gib(pool.arena.nbytes)} of address space reserved, pages mapped on first write; "
+            f"vm.overcommit_memory={overcommit_mode()}, transparent huge pages {transparent_huge_pages()})")
 
 
 class _DrainingServer:
