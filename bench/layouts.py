@@ -2,25 +2,27 @@
 
     python -m bench.layouts [--rounds 2] [--quick]
 
-Each layout runs in a process of its own (peak RSS is per process), rounds alternate
-paged / virtual, and every number is the median over rounds of a median over repeats:
+Step timings run both layouts in one process, taking turns on every repeat (this machine's
+speed wobbles by tens of percent between minutes, so a slow moment must hit both); the
+workloads run each layout in a process of its own (peak RSS is per process), rounds
+alternating paged / virtual, medians over rounds:
 
 * **decode step** at batch 1/4/16 x context 512/2k/8k: the sequences' KV is written into
   their blocks (the virtual layout's rows are touched first, outside the timing), then
-  the compiled decode step is timed (``ModelRunner.execute``, 2 warm-up + 8 timed steps);
+  the compiled decode step is timed (``ModelRunner.execute``, 2 warm-up + 10 timed steps);
 * **prefill**: 4 x 512 new tokens, and one 512-token chunk behind 4,096 cached tokens
   (the paged layout copies the cached keys out for each layer; the virtual one reads its
   row in place);
-* **TTFT** of a 1,024-token prompt on a warm engine, first touch included (a virtual row
-  released by the previous request is faulted in again);
+* **TTFT** of a new 1,024-token prompt on a warm engine, first touch included (a virtual
+  row released by the previous request is faulted in again);
 * the **ShareGPT-like** throughput workload of bench/throughput.py (48 prompts), output tok/s;
 * **shared prefix**: 16 requests = one 512-token system prompt + 32 own tokens, 32 output
   tokens each: peak KV bytes in use (paged: blocks held, the prefix once; virtual: resident
   pages, the prefix in every row) and tok/s;
-* peak RSS of the process (the paged pool is claimed whole at start).
+* peak RSS of the workload process (the paged pool is claimed whole at start).
 
-SmolLM2-135M-Instruct in the engine's default dtype for this CPU. Writes --out (JSON).
-"""
+SmolLM2-135M-Instruct in the engine's default dtype for this CPU, at most 16 sequences at
+once (the virtual layout reserves that many rows of 8k tokens). Writes --out (JSON)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -56,15 +59,19 @@ def make_llm(layout: str, quick: bool) -> LLM:
     return LLM(None, kv_layout=layout, max_model_len=longest + 64, max_num_seqs=16, **extra)
 
 
-def median_ms(fn, repeats: int, warmup: int) -> float:  # noqa: ANN001
+def interleaved_ms(steps: dict[str, Callable[[], object]], repeats: int, warmup: int) -> dict[str, float]:
+    """Median ms of each layout's step, the layouts taking turns on every repeat (so that a
+    slow moment of the machine hits both)."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for step in steps.values():
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1000 for name, t in times.items()}
 
 
 class HeldSequences:
@@ -110,68 +117,98 @@ def kv_bytes_in_use(llm: LLM) -> int:
 
 
 def run_workload(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> tuple[float, int]:
-    """Output tok/s of one batch of requests, and the peak KV bytes in use between steps."""
+    """Output tok/s of one batch of requests (time in ``step`` only), and the peak KV bytes in
+    use between steps (measured outside the timing: ``mincore`` over the arena is not free)."""
     engine = llm.engine
     for i, (p, o) in enumerate(zip(prompts, outputs)):
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True), request_id=f"w{i}")
-    peak, start = 0, time.perf_counter()
+    peak, elapsed = 0, 0.0
     while engine.requests:
+        start = time.perf_counter()
         engine.step()
+        elapsed += time.perf_counter() - start
         peak = max(peak, kv_bytes_in_use(llm))
-    return sum(outputs) / (time.perf_counter() - start), peak
+    return sum(outputs) / elapsed, peak
 
 
-def run_worker(layout: str, quick: bool) -> dict:
+def log(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
+
+
+def run_steps(quick: bool) -> dict:
+    """Both layouts in this process, timed in turns: decode grid, prefill, TTFT."""
+    rng = np.random.default_rng(0)
+    llms = {layout: make_llm(layout, quick) for layout in LAYOUTS}
+    for layout, llm in llms.items():
+        log(f"{layout} warm-up {llm.engine.warm_up():.1f} s")
+    result: dict = {layout: {} for layout in LAYOUTS}
+    result["dtype"] = str(llms["paged"].engine.dtype).replace("torch.", "")
+
+    def record(metric: str, ms: dict[str, float]) -> None:
+        for layout, value in ms.items():
+            result[layout][metric] = value
+        log(f"{metric}: " + ", ".join(f"{layout} {value:.1f} ms" for layout, value in ms.items()))
+
+    def held_steps(batch: int, context: int, new: int, repeats: int, warmup: int) -> dict[str, float]:
+        held = {layout: HeldSequences(llm, batch, context, rng) for layout, llm in llms.items()}
+        inputs = {layout: h.decode_inputs() if new == 1 else h.prefill_inputs(new) for layout, h in held.items()}
+        ms = interleaved_ms({layout: (lambda layout=layout: llms[layout].engine.runner.execute(inputs[layout]))
+                             for layout in LAYOUTS}, repeats, warmup)
+        for h in held.values():
+            h.free()
+        return ms
+
+    for context in CONTEXTS[:2] if quick else CONTEXTS:
+        for batch in BATCHES:
+            record(f"decode_ms_b{batch}_c{context}", held_steps(batch, context, 1, repeats=10, warmup=2))
+    record("prefill_4x512_ms", held_steps(4, 511, 512, repeats=3, warmup=1))
+    cached = 1024 if quick else 4096
+    record(f"prefill_512_after_{cached}_ms", held_steps(1, cached + 511, 512, repeats=3, warmup=1))
+    greedy_one = SamplingParams(temperature=0, max_tokens=1)
+
+    def first_token(layout: str) -> Callable[[], object]:  # a new prompt each time: no prefix-cache hit
+        return lambda: llms[layout].generate({"prompt_token_ids": rng.integers(100, 40000, 1024).tolist()}, greedy_one)
+
+    record("ttft_1024_ms", interleaved_ms({layout: first_token(layout) for layout in LAYOUTS}, repeats=3, warmup=1))
+    return result
+
+
+def run_workloads(layout: str, quick: bool) -> dict:
+    """One layout alone in this process: the throughput and shared-prefix workloads, peak RSS."""
     rng = np.random.default_rng(0)
     llm = make_llm(layout, quick)
-    llm.engine.warm_up()
-    runner = llm.engine.runner
-    result: dict = {"layout": layout, "dtype": str(llm.engine.dtype).replace("torch.", "")}
-    contexts = CONTEXTS[:2] if quick else CONTEXTS
-    for context in contexts:
-        for batch in BATCHES:
-            held = HeldSequences(llm, batch, context, rng)
-            ms = median_ms(lambda: runner.execute(held.decode_inputs()), repeats=8, warmup=2)
-            result[f"decode_ms_b{batch}_c{context}"] = ms
-            held.free()
-    held = HeldSequences(llm, 4, 511, rng)
-    result["prefill_4x512_ms"] = median_ms(lambda: runner.execute(held.prefill_inputs(512)), repeats=5, warmup=2)
-    held.free()
-    held = HeldSequences(llm, 1, 4096 + 511, rng)
-    result["prefill_512_after_4096_ms"] = median_ms(lambda: runner.execute(held.prefill_inputs(512)), 5, 2)
-    held.free()
-    prompt = rng.integers(100, 40000, 1024).tolist()
-    greedy_one = SamplingParams(temperature=0, max_tokens=1)
-    result["ttft_1024_ms"] = median_ms(lambda: llm.generate({"prompt_token_ids": prompt}, greedy_one),
-                                       repeats=5, warmup=1)
-    workload = sharegpt_like(48, seed=1)
-    result["throughput_tok_s"], result["throughput_peak_kv_mb"] = (
-        x / s for x, s in zip(run_workload(llm, [p for p, _ in workload], [o for _, o in workload]), (1, 2**20)))
+    log(f"{layout} warm-up {llm.engine.warm_up():.1f} s")
+    result: dict = {"layout": layout}
+    workload = sharegpt_like(24 if quick else 48, seed=1)
+    tok_s, peak = run_workload(llm, [p for p, _ in workload], [o for _, o in workload])
+    result["throughput_tok_s"], result["throughput_peak_kv_mb"] = tok_s, peak / 2**20
     system = rng.integers(100, 40000, 512).tolist()
     shared = [system + rng.integers(100, 40000, 32).tolist() for _ in range(16)]
     tok_s, peak = run_workload(llm, shared, [32] * 16)
     result["shared_prefix_tok_s"], result["shared_prefix_peak_kv_mb"] = tok_s, peak / 2**20
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    log(f"{layout} workloads: {result}")
     return result
 
 
-def run_round(layout: str, quick: bool) -> dict:
-    command = [sys.executable, "-m", "bench.layouts", "--worker", layout] + (["--quick"] if quick else [])
+def run_part(part: str, quick: bool) -> dict:
+    command = [sys.executable, "-m", "bench.layouts", "--part", part] + (["--quick"] if quick else [])
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, env=env)  # progress: stderr, as it goes
     if done.returncode != 0:
-        raise RuntimeError(f"{layout} worker failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{part} worker failed ({done.returncode})")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def summarise(rounds: list[dict]) -> dict:
-    metrics = [m for m in rounds[0] if m not in ("layout", "dtype")]
-    median = {layout: {m: statistics.median(r[m] for r in rounds if r["layout"] == layout) for m in metrics}
-              for layout in LAYOUTS}
+def summarise(steps: dict, rounds: list[dict]) -> dict:
+    median = {layout: dict(steps[layout]) for layout in LAYOUTS}
+    metrics = [m for m in rounds[0] if m != "layout"]
     per_round = {layout: {m: [round(r[m], 2) for r in rounds if r["layout"] == layout] for m in metrics}
                  for layout in LAYOUTS}
-    return {"dtype": rounds[0]["dtype"], "median": median, "per_round": per_round,
-            "virtual_over_paged": {m: median["virtual"][m] / median["paged"][m] for m in metrics}}
+    for layout in LAYOUTS:
+        median[layout].update({m: statistics.median(per_round[layout][m]) for m in metrics})
+    return {"dtype": steps["dtype"], "median": median, "workload_rounds": per_round,
+            "virtual_over_paged": {m: median["virtual"][m] / median["paged"][m] for m in median["paged"]}}
 
 
 def print_table(result: dict) -> None:
@@ -183,20 +220,18 @@ def print_table(result: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2, help="rounds of the workload processes (alternating layouts)")
     p.add_argument("--quick", action="store_true", help="contexts 512/2k only, smaller pools (a smoke run)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--worker", choices=LAYOUTS, help=argparse.SUPPRESS)
+    p.add_argument("--part", choices=("steps", *LAYOUTS), help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.worker:
-        print(json.dumps(run_worker(args.worker, args.quick)))
+    if args.part:
+        print(json.dumps(run_steps(args.quick) if args.part == "steps" else run_workloads(args.part, args.quick)))
         return
-    rounds = []
-    for r in range(args.rounds):
-        for layout in LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]:
-            rounds.append(run_round(layout, args.quick))
-            print(f"round {r + 1}: {layout} done", file=sys.stderr)
-    result = summarise(rounds)
+    steps = run_part("steps", args.quick)
+    rounds = [run_part(layout, args.quick) for r in range(args.rounds)
+              for layout in (LAYOUTS if r % 2 == 0 else LAYOUTS[::-1])]
+    result = summarise(steps, rounds)
     print_table(result)
     if not args.quick:
         args.out.parent.mkdir(parents=True, exist_ok=True)

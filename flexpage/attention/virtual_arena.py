@@ -38,9 +38,10 @@ MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 PAGE_SIZE = mmap.PAGESIZE
 
 
-class ArenaRefused(MemoryError):
+class ArenaRefused(ValueError):
     """The OS would not reserve the arena's address space (strict overcommit, or a limit on
-    the address space): the virtual KV layout cannot run here."""
+    the address space): the virtual KV layout cannot run with these settings here (a
+    ValueError, as every bad setting is: ``flexpage serve`` prints it and exits 2)."""
 
 
 class VirtualArena:
