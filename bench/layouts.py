@@ -49,6 +49,7 @@ LAYOUTS = ("paged", "virtual")
 BATCHES = (1, 4, 16)
 CONTEXTS = (512, 2048, 8192)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "layouts.json"
+DEFAULT_PLOT = Path(__file__).resolve().parents[1] / "docs" / "img" / "layouts.png"
 
 
 def make_llm(layout: str, quick: bool) -> LLM:
@@ -218,15 +219,45 @@ def print_table(result: dict) -> None:
         print(f"{m:34s} {paged[m]:10.1f} {virtual[m]:10.1f} {ratio[m]:14.3f}")
 
 
+def plot(result: dict, path: Path) -> None:
+    """virtual / paged per metric, drawn so that below 1 is the virtual layout ahead (time,
+    memory; throughput inverted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ratios = {m: (1 / r if m.endswith("tok_s") else r) for m, r in result["virtual_over_paged"].items()}
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ax.barh(list(ratios), list(ratios.values()), color=["tab:green" if r <= 1 else "tab:red" for r in ratios.values()])
+    ax.axvline(1.0, color="k", linewidth=1)
+    ax.set_xscale("log")
+    ticks = [0.25, 0.5, 1, 2, 4, 8]
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
+    ax.invert_yaxis()
+    ax.set_xlabel("virtual / paged (lower is better; tok/s drawn as time per token)")
+    ax.set_title(f"KV layouts, SmolLM2-135M {result['dtype']}, same machine")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=2, help="rounds of the workload processes (alternating layouts)")
     p.add_argument("--quick", action="store_true", help="contexts 512/2k only, smaller pools (a smoke run)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
+    p.add_argument("--plot-only", action="store_true", help="redraw --plot from --out without running")
     p.add_argument("--part", choices=("steps", *LAYOUTS), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.part:
         print(json.dumps(run_steps(args.quick) if args.part == "steps" else run_workloads(args.part, args.quick)))
+        return
+    if args.plot_only:
+        plot(json.loads(args.out.read_text()), args.plot)
         return
     steps = run_part("steps", args.quick)
     rounds = [run_part(layout, args.quick) for r in range(args.rounds)
@@ -236,6 +267,7 @@ def main() -> None:
     if not args.quick:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
+        plot(result, args.plot)
 
 
 if __name__ == "__main__":

@@ -443,8 +443,12 @@ class LLMEngine:
             raise _ForwardFailed from error
         self._score_full_blocks(sched)
         self.scheduler.mark_computed(sched)  # sequences over their KV budget evict blocks here
+        self._apply_relocations()
         if sampled:
-            self._sample(logits, sampled, touched)  # n > 1 siblings fork here
+            self._sample(logits, sampled, touched)
+            self._apply_relocations()  # n > 1 siblings fork there (the virtual layout copies)
+
+    def _apply_relocations(self) -> None:
         relocations = self.block_manager.take_relocations()
         if relocations:
             self.runner.apply_block_moves([], [], relocations)
@@ -612,7 +616,6 @@ class LLMEngine:
             "kv_evicted_tokens": blocks.evicted_budget_blocks * self.config.block_size,
             # a token takes a slot in every layer group (sliding groups give theirs back later)
             "kv_capacity_tokens": (blocks.total - 1) * self.config.block_size // len(self.layer_groups),
-            "kv_resident_bytes": self.runner.pool.resident_bytes(),  # the virtual layout's grows with use
             **self.tier_stats(),
             **self.counters,
         }

@@ -69,6 +69,17 @@ def test_a_refused_reservation_says_what_to_change():
         VirtualArena((1 << 40, 256), torch.uint8)  # 256 TiB: more than the address space
 
 
+def test_the_banner_names_the_reservation_and_the_os_settings():
+    from types import SimpleNamespace
+
+    from flexpage.server.main import _layout_summary
+
+    pool = KVPool(num_layers=2, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=64, layout="virtual")
+    line = _layout_summary(SimpleNamespace(runner=SimpleNamespace(pool=pool)))
+    assert line.startswith("virtual (0.00 GiB of address space reserved")
+    assert "vm.overcommit_memory=" in line and "transparent huge pages" in line
+
+
 # ---- rows -------------------------------------------------------------------------------
 
 
