@@ -23,6 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from shadow_kv import ShadowKV
 
 from flexpage import SamplingParams
+from flexpage.attention.virtual_arena import resident_bytes
 from flexpage.core import BlockManager, Sequence
 from flexpage.core.kv_tiers import KVTiers, TierOp, TierOpKind
 
@@ -312,22 +313,6 @@ while True:
     storage = TierStorage(small_pool(), host_slots=2, disk_dir=tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == [".lock"]
     storage.close()
-
-
-def resident_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of ``tensor``'s memory in RAM now (``mincore`` over its pages: other allocations
-    of the process do not count)."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    page = mmap.PAGESIZE
-    start = tensor.data_ptr() // page * page
-    length = tensor.data_ptr() + tensor.numel() * tensor.element_size() - start
-    pages = -(-length // page)
-    vec = (ctypes.c_ubyte * pages)()
-    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0, ctypes.get_errno()
-    return sum(v & 1 for v in vec) * page
 
 
 def test_host_tier_memory_grows_with_use_and_never_past_its_cap():
