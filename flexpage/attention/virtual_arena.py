@@ -18,8 +18,9 @@ Why this is safe to hold in a tensor:
   ``torch.frombuffer`` still point into it (a later access is a SIGSEGV). The tensor holds a
   reference to the ``mmap`` object, so the memory is unmapped when the last view of it is
   garbage: no view can outlive it. Released rows stay mapped (zeros), never unmapped.
-* No ``MADV_HUGEPAGE``: a first touch would then claim 2 MiB per (layer, K/V, head) row of
-  every sequence, the opposite of paying for what is used.
+* ``MADV_NOHUGEPAGE``, even where transparent huge pages are ``always``: a first touch would
+  otherwise claim 2 MiB per (layer, K/V, head) row of every sequence, the opposite of paying
+  for what is used.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class VirtualArena:
                 f"({error}; vm.overcommit_memory={overcommit_mode()}): lower max_num_seqs or max_model_len, "
                 "or use kv_layout='paged'"
             ) from error
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):  # also where transparent huge pages are "always"
+            self._map.madvise(mmap.MADV_NOHUGEPAGE)
         #: the storage tensor; it keeps ``self._map`` alive (torch.frombuffer references it)
         self.tensor = torch.frombuffer(self._map, dtype=dtype).view(shape)
         self._row_bytes = shape[-2] * shape[-1] * dtype.itemsize
