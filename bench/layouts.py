@@ -113,7 +113,7 @@ class HeldSequences:
 def kv_bytes_in_use(llm: LLM) -> int:
     engine = llm.engine
     if engine.runner.pool.arena is not None:
-        return engine.runner.pool.resident_bytes()
+        return engine.runner.pool.arena.resident_bytes()
     return engine.block_manager.stats().used * engine.runner.pool.bytes_per_token * engine.config.block_size
 
 

@@ -134,10 +134,6 @@ class KVPool:
             return 0
         return self.arena.release((start * self.block_size, end * self.block_size) for start, end in block_ranges)
 
-    def resident_bytes(self) -> int:
-        """Bytes of KV storage in RAM now (the paged layout's is all of it)."""
-        return self.arena.resident_bytes() if self.arena is not None else self.storage.numel() * self.storage.element_size()
-
     def _block_slots(self, blocks: list[int]) -> torch.Tensor:
         return block_slots(blocks, self.block_size, self.device)
 

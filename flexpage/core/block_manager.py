@@ -359,10 +359,13 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence, watermark_blocks: int = 0) -> bool:
         """Whether :meth:`allocate` fits while keeping ``watermark_blocks`` spare."""
-        need = self._blocks_to_allocate(seq, self._cached_prefix(seq)) * self._copies(seq)
-        if self.contiguous and self.pool.num_free_runs < self.num_groups * self._copies(seq):
+        return self._fits(seq, self._cached_prefix(seq), watermark_blocks)
+
+    def _fits(self, seq: Sequence, plan: _PrefixPlan, watermark_blocks: int = 0) -> bool:
+        copies = self._copies(seq)
+        if self.contiguous and self.pool.num_free_runs < self.num_groups * copies:
             return False
-        return self.pool.num_free_or_cached - need >= watermark_blocks
+        return self.pool.num_free_or_cached - self._blocks_to_allocate(seq, plan) * copies >= watermark_blocks
 
     def allocate(self, seq: Sequence) -> int:
         """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks.
@@ -375,7 +378,7 @@ class BlockManager:
         if self.holds_blocks(seq):
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
         plan = self._cached_prefix(seq)
-        if not self.can_allocate(seq):
+        if not self._fits(seq, plan):
             raise NoFreeBlocksError(f"not enough blocks to allocate sequence {seq.seq_id}")
         # every group's hits first: a fresh block may evict the LRU cached block, which must not
         # be a hit another group is about to revive (it would then sit in two groups' tables)
