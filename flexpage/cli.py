@@ -151,6 +151,11 @@ def serve(
                                                 "address space the OS backs on first write; no prefix caching)."),
     kv_resident_bytes: Optional[str] = typer.Option(None, help="With --kv-layout virtual: KV memory in use at once, "
                                                                "e.g. 2GiB [default: --kv-cache-memory]."),
+    tensor_parallel_size: int = typer.Option(1, help="Ranks that each hold 1/N of every layer and of the KV heads "
+                                                     "(spawned on this host; or start ranks with torchrun -m "
+                                                     "flexpage.worker, see docs/scaling.md)."),
+    tensor_parallel_timeout: float = typer.Option(120.0, help="Seconds a rank waits for a peer before the server "
+                                                              "fails (a hung rank)."),
     seed: int = typer.Option(0, help="Seed of the engine's shared RNG (unseeded requests)."),
     max_request_body: str = typer.Option("4MiB", help="Largest request body accepted; larger ones get 413."),
     drain_timeout: float = typer.Option(30.0, help="Seconds Ctrl-C waits for in-flight requests before aborting them."),
@@ -181,7 +186,8 @@ def serve(
         enable_prefix_caching=not no_prefix_caching, swap_space=swap_space, preemption_mode=preemption_mode,
         kv_budget_tokens=kv_budget, kv_eviction=kv_eviction, host_kv_bytes=host_kv_bytes, disk_kv_dir=disk_kv_dir,
         disk_kv_bytes=disk_kv_bytes, kv_tier_policy=kv_tier_policy, kv_layout=kv_layout,
-        kv_resident_bytes=kv_resident_bytes, seed=seed, max_request_body=max_request_body,
+        kv_resident_bytes=kv_resident_bytes, tensor_parallel_size=tensor_parallel_size,
+        tensor_parallel_timeout=tensor_parallel_timeout, seed=seed, max_request_body=max_request_body,
         drain_timeout=drain_timeout, warmup=warmup,
         log_level=log_level,
     )

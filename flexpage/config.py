@@ -118,6 +118,11 @@ class EngineConfig:
     kv_layout: str = "paged"
     # virtual layout: KV bytes in use at once (admission control); None: kv_cache_memory
     kv_resident_bytes: int | str | None = None
+    # ranks that each hold 1/N of every layer and of the KV heads (flexpage.parallel; vLLM's
+    # --tensor-parallel-size): spawned on this host, or started by torchrun (docs/scaling.md)
+    tensor_parallel_size: int = 1
+    # seconds a rank waits in a collective for a peer before the engine fails (a hung rank)
+    tensor_parallel_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "attention_block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -158,6 +163,7 @@ class EngineConfig:
         if self.kv_tier_policy not in TIER_POLICIES:
             raise ValueError(f"kv_tier_policy: got {self.kv_tier_policy!r}, expected one of {TIER_POLICIES}")
         self._check_kv_layout()
+        self._check_tensor_parallel()
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode: got {self.preemption_mode!r}, expected 'recompute' or 'swap'")
 
@@ -179,6 +185,23 @@ class EngineConfig:
                 raise ValueError(f"{name}: not available with kv_layout='virtual' (it needs the paged layout's "
                                  "block tables)")
         self.enable_prefix_caching = False  # a row is one sequence's: nothing to share
+
+    def _check_tensor_parallel(self) -> None:
+        size = self.tensor_parallel_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"tensor_parallel_size: got {size!r}, expected a positive int")
+        timeout = self.tensor_parallel_timeout
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+            raise ValueError(f"tensor_parallel_timeout: got {timeout!r}, expected a positive number of seconds")
+        if size == 1:
+            return
+        # each needs what only rank 0 sees: a forward that sums like one process, eviction
+        # scores over every head, tier copies of every rank's share
+        for name, unsupported in (("deterministic", self.deterministic),
+                                  ("kv_budget_tokens", self.kv_budget_tokens is not None),
+                                  ("host_kv_bytes", parse_size(self.host_kv_bytes, "host_kv_bytes") > 0)):
+            if unsupported:
+                raise ValueError(f"{name}: not available with tensor_parallel_size > 1 yet")
 
     def blocks_per_attention_block(self, dtype: torch.dtype) -> int:
         """KV blocks per attention key block (the allocator's run length) for a pool of ``dtype``."""

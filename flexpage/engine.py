@@ -34,6 +34,9 @@ from flexpage.model.layer_recipes import engine_recipes
 from flexpage.model.runner import ModelRunner, StepInputs, layer_groups_for
 from flexpage.model.sampler import TokenHistory, make_generator, sample
 from flexpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from flexpage.parallel.group import RankFailure
+from flexpage.parallel.launch import WorkerSpec
+from flexpage.parallel.leader import LeaderRunner, start_leader
 from flexpage.sampling_params import SamplingParams
 
 PromptInput = Union[str, list[int], dict[str, Any]]
@@ -112,12 +115,21 @@ class LLMEngine:
         virtual_rows = config.max_num_seqs * len(self.layer_groups) if config.kv_layout == "virtual" else 0
         if virtual_rows and config.kv_resident_bytes is not None:
             num_blocks = max(2, parse_size(config.kv_resident_bytes, "kv_resident_bytes") // bytes_per_block)
-        self.runner = ModelRunner(model, num_blocks=(virtual_rows + 1) * row_length if virtual_rows else num_blocks,
-                                  block_size=config.block_size, compile=compile,
-                                  num_host_blocks=parse_size(config.swap_space) // bytes_per_block,
-                                  blocks_per_attention_block=run_length, model_impl=config.model_impl,
-                                  recipes=self.recipes, deterministic=config.deterministic,
-                                  compile_step=config.compile_step, kv_layout=config.kv_layout)
+        runner_kwargs = dict(num_blocks=(virtual_rows + 1) * row_length if virtual_rows else num_blocks,
+                             block_size=config.block_size, compile=compile,
+                             num_host_blocks=parse_size(config.swap_space) // bytes_per_block,
+                             blocks_per_attention_block=run_length, model_impl=config.model_impl,
+                             deterministic=config.deterministic, compile_step=config.compile_step,
+                             kv_layout=config.kv_layout)
+        #: rank 0's runner of a tensor-parallel group (it keeps the other ranks in step), or the runner
+        self.runner: ModelRunner | LeaderRunner
+        if config.tensor_parallel_size > 1:
+            spec = WorkerSpec(str(path), dtype, config.recipe, runner_kwargs,
+                              prime_rows=(config.max_num_batched_tokens, config.max_num_seqs))
+            self.runner = start_leader(model, spec, self.recipes, config.tensor_parallel_size,
+                                       config.tensor_parallel_timeout)
+        else:
+            self.runner = ModelRunner(model, recipes=self.recipes, **runner_kwargs)
         host_slots = parse_size(config.host_kv_bytes, "host_kv_bytes") // bytes_per_block
         #: the bytes of the tiers behind the prefix cache (None: no tiers)
         self.tier_storage = TierStorage(self.runner.pool, host_slots, config.disk_kv_dir) if host_slots else None
@@ -202,6 +214,8 @@ class LLMEngine:
         if params.kv_budget is None:
             budget = self.config.kv_budget_tokens
         else:
+            if self.config.tensor_parallel_size > 1:
+                raise InvalidParameter("kv_budget", "kv_budget: not available with tensor_parallel_size > 1 yet")
             try:
                 budget = check_kv_budget("kv_budget", params.kv_budget, self.config.block_size,
                                          self.config.deterministic)
@@ -408,9 +422,18 @@ class LLMEngine:
         return dropped
 
     def close(self) -> None:
-        """Release what outlives the process otherwise (the disk tier's files and lock)."""
+        """Release what outlives the process otherwise (the disk tier's files and lock, the
+        other tensor-parallel ranks)."""
         if self.tier_storage is not None:
             self.tier_storage.close()
+        if isinstance(self.runner, LeaderRunner):
+            self.runner.close()
+
+    def check_health(self) -> None:
+        """Raise :class:`~flexpage.parallel.group.RankFailure` if a tensor-parallel rank has
+        exited (a server calls it while idle, so a dead rank ends it without waiting for a request)."""
+        if isinstance(self.runner, LeaderRunner):
+            self.runner.check_health()
 
     def take_failures(self) -> dict[str, str]:
         """Requests :meth:`step` aborted because their own computation failed (id -> message),
@@ -439,6 +462,8 @@ class LLMEngine:
                 sampled.append(seq)
         try:  # always run: a step of prefill chunks that samples nothing still computes their K/V
             logits = self.runner.execute(inputs)
+        except RankFailure:  # not one request's fault, and no retry can help: the engine ends
+            raise
         except Exception as error:
             raise _ForwardFailed from error
         self._score_full_blocks(sched)

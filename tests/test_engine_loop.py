@@ -30,6 +30,9 @@ class StubEngine:
         self.stats_calls.set()
         return {}
 
+    def check_health(self) -> None:
+        pass
+
 
 def test_the_engine_is_built_and_run_in_one_thread_that_is_not_the_callers():
     seen_init: list[int] = []

@@ -161,3 +161,18 @@ def compose(*recipes: Recipe, name: str | None = None) -> Recipe:
 
 
 CAUSAL = Recipe("causal")
+
+
+def offset_heads(recipe: Recipe, offset: int) -> Recipe:
+    """``recipe`` for a shard of the heads starting at head ``offset`` (tensor parallelism): its
+    mods see the model's head numbers (``h + offset``), so per-head parameters such as ALiBi's
+    slopes follow their heads to the rank that holds them. ``offset`` 0: ``recipe`` itself."""
+    if offset == 0:
+        return recipe
+    mask, score = recipe.mask_mod, recipe.score_mod
+    shifted_mask = mask if mask is None or mask is causal_mask else (
+        lambda b, h, q_pos, kv_pos: mask(b, h + offset, q_pos, kv_pos))
+    shifted_score = score if score is None else (
+        lambda s, b, h, q_pos, kv_pos: score(s, b, h + offset, q_pos, kv_pos))
+    return Recipe(recipe.name, mask_mod=shifted_mask, score_mod=shifted_score, block_rule=recipe.block_rule,
+                  window=recipe.window)

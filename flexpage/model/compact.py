@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flexpage.model.packed_linear import PackedLinear
+from flexpage.parallel.group import TensorParallel
 
 __all__ = ["CompactDecoder", "supports"]
 
@@ -68,9 +69,14 @@ class _Layer:
 class CompactDecoder:
     """The decoder stack and LM head of a Llama-family HF model, over a flat token batch."""
 
-    def __init__(self, model: torch.nn.Module, *, prepack: bool = True, row_tile: int | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, *, prepack: bool = True, row_tile: int | None = None,
+                 parallel: TensorParallel | None = None) -> None:
         """``row_tile``: every projection computes this many rows per call (deterministic mode,
-        see :func:`~flexpage.model.packed_linear.tiled_rows`); None: one call per projection."""
+        see :func:`~flexpage.model.packed_linear.tiled_rows`); None: one call per projection.
+
+        ``parallel``: ``model`` holds this rank's share (:func:`~flexpage.parallel.sharding.shard_llama`):
+        the embedding is looked up and the o and down projections' outputs summed across ranks,
+        and the LM head's vocabulary slices are gathered."""
         if not supports(model):
             raise ValueError(f"model: a {type(model).__name__} (model_type={model.config.model_type!r}) is not a "
                              f"Llama-family decoder ({', '.join(sorted(_LLAMA_FAMILY))} with SiLU MLPs)")
@@ -81,6 +87,8 @@ class CompactDecoder:
         self.head_dim = first.head_dim
         self.scale = float(first.scaling)
         self.eps = float(base.norm.variance_epsilon)
+        self.parallel = parallel
+        self.vocab_size = model.config.get_text_config().vocab_size  # the LM head's rows may be padded
         self.embed = base.embed_tokens.weight
         self.final_norm = base.norm.weight
         head = model.get_output_embeddings()
@@ -122,7 +130,7 @@ class CompactDecoder:
     def forward(self, token_ids: Tensor, positions: Tensor, sample_rows: Tensor, attend: Attend) -> Tensor:
         """Logits ``[len(sample_rows), vocab]`` (model dtype) of a flat batch ``token_ids [T]``
         at logical ``positions [T]``; ``attend`` writes/reads the KV cache of each layer."""
-        hidden = F.embedding(token_ids, self.embed)  # [T, hidden]
+        hidden = self.embed_tokens(token_ids)  # [T, hidden]
         cos, sin = self.rope_tables(positions)
         half = self.head_dim // 2
         tokens, heads, kv_heads, dim = token_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -134,10 +142,25 @@ class CompactDecoder:
             qk = qk * cos + qk.roll(half, -1) * sin
             v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
             out = attend(index, qk[:, :heads], qk[:, heads:], v)
-            hidden = hidden + layer.o(out.reshape(tokens, heads * dim))
+            hidden = hidden + self._reduce(layer.o(out.reshape(tokens, heads * dim)))
             gate, up = layer.gate_up(self._norm(hidden, layer.post_norm)).chunk(2, -1)
-            hidden = hidden + layer.down(F.silu(gate) * up)
-        return self.lm_head(self._norm(hidden[sample_rows], self.final_norm))
+            hidden = hidden + self._reduce(layer.down(F.silu(gate) * up))
+        return self.logits(self.lm_head(self._norm(hidden[sample_rows], self.final_norm)))
+
+    def embed_tokens(self, token_ids: Tensor) -> Tensor:
+        """The embedding rows of ``token_ids`` (gathered from the rank that holds each)."""
+        if self.parallel is None:
+            return F.embedding(token_ids, self.embed)
+        return self.parallel.embed(token_ids, self.embed)
+
+    def logits(self, local: Tensor) -> Tensor:
+        """The LM head's output over the whole vocabulary (this rank's slice: ``local``)."""
+        if self.parallel is None:
+            return local
+        return self.parallel.gather_columns(local)[:, : self.vocab_size]
+
+    def _reduce(self, partial: Tensor) -> Tensor:
+        return partial if self.parallel is None else self.parallel.all_reduce(partial)
 
     def rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """``cos, sin`` ``[T, 1, D]`` (model dtype) for ``x*cos + roll(x, D/2)*sin`` at ``positions``:

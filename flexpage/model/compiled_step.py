@@ -42,6 +42,7 @@ from flexpage.attention.paging import AttentionGroup, PagedBatch
 from flexpage.attention.recipe import Recipe
 from flexpage.model.compact import CompactDecoder, rms_norm
 from flexpage.model.packed_linear import PackedLinear, padded_rows
+from flexpage.parallel.group import TensorParallel
 
 __all__ = ["CompiledStep"]
 
@@ -61,6 +62,9 @@ class _Shape:
     pages_per_block: int
     recipe: Recipe
     kernel_options: tuple[tuple[str, object], ...]
+    #: tensor parallelism: this rank's group (the graph holds its collectives), None: one process
+    parallel: TensorParallel | None = None
+    vocab_size: int = 0  # the LM head's real rows (padded for tensor parallelism)
 
 
 class CompiledStep:
@@ -79,7 +83,7 @@ class CompiledStep:
             heads=decoder.num_heads, kv_heads=decoder.num_kv_heads, head_dim=decoder.head_dim, eps=decoder.eps,
             scale=decoder.scale, packed=packed.pop(), qk_norm=decoder.layers[0].q_norm is not None,
             page_size=pool.block_size, pages_per_block=pages_per_block, recipe=recipe,
-            kernel_options=tuple(sorted(options.items())),
+            kernel_options=tuple(sorted(options.items())), parallel=decoder.parallel, vocab_size=decoder.vocab_size,
         )
         self.layer_weights = tuple(
             (layer.input_norm, *_weight_and_bias(layer.qkv), layer.q_norm, layer.k_norm, *_weight_and_bias(layer.o),
@@ -231,6 +235,9 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
     def norm(x: Tensor, weight: Tensor) -> Tensor:
         return rms_norm(x, weight, shape.eps)
 
+    def reduce(partial: Tensor) -> Tensor:  # row-parallel projections: sum the ranks' shares
+        return partial if shape.parallel is None else shape.parallel.all_reduce(partial)
+
     def decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_to_logical: Tensor, kv_num_blocks: Tensor,
                          kv_indices: Tensor, full_kv_num_blocks: Tensor, full_kv_indices: Tensor, row_seq: Tensor,
                          block_table: Tensor, q_start: Tensor, seq_len: Tensor, gather_index: Tensor,
@@ -307,13 +314,13 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
             else:
                 rows_out, tokens = prefill_attention(q, k_pool, v_pool, q_block, kv_block, *group_plan)
             out = out.index_copy(0, tokens, rows_out)
-        hidden = hidden + linear(out, o_w, o_b)
+        hidden = hidden + reduce(linear(out, o_w, o_b))
         gate, up = linear(norm(hidden, post_norm), gate_up_w, gate_up_b).chunk(2, -1)
-        return hidden + linear(F.silu(gate) * up, down_w, down_b)
+        return hidden + reduce(linear(F.silu(gate) * up, down_w, down_b))
 
     def forward(embed: Tensor, layer_weights: tuple, layer_pools: tuple, head: tuple, token_ids: Tensor,
                 cos: Tensor, sin: Tensor, slots: Tensor, kv_rows: Tensor, sample_rows: Tensor, *plan: Tensor) -> Tensor:
-        hidden = F.embedding(token_ids, embed)
+        hidden = F.embedding(token_ids, embed) if shape.parallel is None else shape.parallel.embed(token_ids, embed)
         for weights, (k_pool, v_pool) in zip(layer_weights, layer_pools):
             input_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_norm, gu_w, gu_b, down_w, down_b = weights
             q, k, v = attention_inputs(hidden, cos, sin, input_norm, qkv_w, qkv_b, q_norm, k_norm)
@@ -323,6 +330,9 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
             hidden = attention_and_mlp(hidden, q, k_pool, v_pool, o_w, o_b, post_norm, gu_w, gu_b, down_w, down_b,
                                        *plan)
         final_norm, lm_w, lm_b = head
-        return linear(norm(hidden[sample_rows], final_norm), lm_w, lm_b)
+        logits = linear(norm(hidden[sample_rows], final_norm), lm_w, lm_b)
+        if shape.parallel is None:
+            return logits
+        return shape.parallel.gather_columns(logits)[:, : shape.vocab_size]
 
     return torch.compile(forward, dynamic=False, fullgraph=True)

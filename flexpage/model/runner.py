@@ -46,13 +46,15 @@ from flexpage.attention import torch_patches
 from flexpage.attention.flex import FlexRunner, check_deterministic_supported, raised_compile_limits
 from flexpage.attention.kv_pool import KVPool, block_slots
 from flexpage.attention.paging import PagedBatch, build_paged_batch, next_power_of_two, token_positions
-from flexpage.attention.recipe import Recipe
+from flexpage.attention.recipe import Recipe, offset_heads
 from flexpage.config import MODEL_IMPLS
 from flexpage.core.layer_groups import LayerGroup, plan_layer_groups
 from flexpage.model.compact import CompactDecoder, supports
 from flexpage.model.compiled_step import CompiledStep
 from flexpage.model.layer_recipes import model_recipes, recipe_for
 from flexpage.model.packed_linear import tiled_rows
+from flexpage.parallel.group import TensorParallel
+from flexpage.parallel.sharding import shard_llama
 
 IMPLEMENTATION_NAME = "flexpage_paged"
 #: rows per projection call in deterministic mode (see ModelRunner): every call the same
@@ -183,7 +185,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int, compile: bool = True,
                  num_host_blocks: int = 0, blocks_per_attention_block: int = 1, model_impl: str = "auto",
                  recipes: Sequence[Recipe] | None = None, deterministic: bool = False,
-                 compile_step: bool = True, kv_layout: str = "paged") -> None:
+                 compile_step: bool = True, kv_layout: str = "paged",
+                 parallel: TensorParallel | None = None) -> None:
         """``recipes``: one per decoder layer (:func:`~flexpage.model.layer_recipes.engine_recipes`);
         None: the model's own (:func:`~flexpage.model.layer_recipes.model_recipes`).
 
@@ -202,6 +205,11 @@ class ModelRunner:
         on first write (:class:`~flexpage.attention.virtual_arena.VirtualArena`), every block
         table is one row of consecutive blocks, and attention reads the rows in place
         (``build_paged_batch(contiguous_rows=True)``); :meth:`release` gives rows' memory back.
+
+        ``parallel``: this process is one rank of a tensor-parallel group and keeps its share of
+        the model (:func:`~flexpage.parallel.sharding.shard_llama`, on the compact forward) and
+        of the pool: its KV heads, with the block tables every rank shares. Every rank must
+        execute the same steps (:class:`~flexpage.parallel.leader.LeaderRunner`).
         """
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl: got {model_impl!r}, expected one of {MODEL_IMPLS}")
@@ -230,8 +238,14 @@ class ModelRunner:
             if kv_layout != "paged":
                 raise ValueError("kv_layout: deterministic mode runs on the paged layout only")
         row_tile = DETERMINISTIC_ROW_TILE if deterministic else None
-        self.compact = (CompactDecoder(model, row_tile=row_tile) if model_impl != "transformers" and supports(model)
-                        else None)
+        self.parallel = parallel
+        if parallel is not None:
+            check_parallel_supported(model, model_impl, deterministic)
+            shard_llama(model, parallel.rank, parallel.size)
+            heads_per_rank = num_heads // parallel.size
+            self.layer_recipes = tuple(offset_heads(r, parallel.rank * heads_per_rank) for r in self.layer_recipes)
+        self.compact = (CompactDecoder(model, row_tile=row_tile, parallel=parallel)
+                        if model_impl != "transformers" and supports(model) else None)
         if self.compact is None and row_tile is not None:
             _tile_linear_rows(model, row_tile)
         self.blocks_per_attention_block = blocks_per_attention_block
@@ -246,7 +260,8 @@ class ModelRunner:
             # whole attention blocks: the blocks past num_blocks are never handed out
             num_blocks=-(-num_blocks // blocks_per_attention_block) * blocks_per_attention_block,
             block_size=block_size,
-            num_kv_heads=getattr(text_config, "num_key_value_heads", None) or num_heads,
+            num_kv_heads=(self.compact.num_kv_heads if parallel is not None  # this rank's
+                          else getattr(text_config, "num_key_value_heads", None) or num_heads),
             head_dim=head_dim,
             dtype=self.dtype,
             layout=kv_layout,
@@ -329,6 +344,16 @@ class ModelRunner:
             host, device = zip(*swap_in)
             self.pool.write_blocks(list(device), self.host[:, block_slots(host, self.pool.block_size)])
         self.pool.copy_blocks(copies)
+
+
+def check_parallel_supported(model: torch.nn.Module, model_impl: str, deterministic: bool) -> None:
+    """Raise ValueError unless ``model`` can run tensor-parallel with these settings."""
+    if model_impl == "transformers" or not supports(model):
+        raise ValueError(f"tensor parallelism runs on the compact forward (Llama, Mistral, Qwen2, Qwen3), not on "
+                         f"model_type={model.config.model_type!r} with model_impl={model_impl!r}")
+    if deterministic:
+        raise ValueError("deterministic: not available with tensor parallelism (the all-reduce sums each "
+                         "projection in another order than one process does)")
 
 
 def layer_groups_for(recipes: Sequence[Recipe]) -> tuple[LayerGroup, ...]:

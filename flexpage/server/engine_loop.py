@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
 from flexpage.outputs import Logprob, RequestOutput
+from flexpage.parallel.group import RankFailure
 
 __all__ = ["Accepted", "Delta", "EngineLoop", "Failed", "SampleDelta", "Sink"]
 
@@ -156,8 +157,12 @@ class EngineLoop:
     """Runs ``engine`` in its own thread; see the module docstring."""
 
     def __init__(self, engine: Any, metrics: Any = None, *, stats_interval: float = 0.1,
-                 thread_init: Any = None) -> None:
+                 thread_init: Any = None, on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        """``on_fatal``: called (on the engine thread) when the engine cannot go on -- a
+        tensor-parallel rank died or hung; what was in flight has failed and the thread ends."""
         self.engine = engine
+        self.on_fatal = on_fatal
+        self.fatal: BaseException | None = None
         self.thread_init = thread_init  # run first in the engine thread (per-thread torch settings)
         self.metrics = metrics
         self.stats: dict[str, float] = engine.stats()  # the thread is not running yet
@@ -266,9 +271,18 @@ class EngineLoop:
                 except queue.Empty:
                     command = None
             self._flush()
+            try:
+                if not self.engine.has_unfinished_requests():
+                    self.engine.check_health()
+            except RankFailure as error:
+                self._end(error)
+                return
             if self.engine.has_unfinished_requests():
                 try:
                     outputs = self.engine.step()
+                except RankFailure as error:  # the engine cannot go on
+                    self._end(error)
+                    return
                 except Exception as error:  # a bug in the engine: fail what is in flight, keep serving
                     self.fatal_errors += 1
                     log.error("engine step failed:\n%s", traceback.format_exc())
@@ -284,6 +298,15 @@ class EngineLoop:
             if handled or now - last_stats >= self.stats_interval or not self.engine.has_unfinished_requests():
                 self._refresh_stats()
                 last_stats = now
+
+    def _end(self, error: BaseException) -> None:
+        """Fail everything in flight with ``error``'s message and tell ``on_fatal``."""
+        log.error("engine cannot go on: %s", error)
+        self.fatal = error
+        self._abort_all(f"engine failed: {error}", shutdown=True)
+        self._flush()
+        if self.on_fatal is not None:
+            self.on_fatal(error)
 
     def _post(self, sink: Sink, item: Any) -> None:
         self._outbox.append((sink, item))

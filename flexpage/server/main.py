@@ -53,6 +53,8 @@ class ServeSettings:
     kv_tier_policy: str = "retention"  # EngineConfig.kv_tier_policy
     kv_layout: str = "paged"  # EngineConfig.kv_layout
     kv_resident_bytes: str | None = None  # EngineConfig.kv_resident_bytes
+    tensor_parallel_size: int = 1  # EngineConfig.tensor_parallel_size
+    tensor_parallel_timeout: float = 120.0  # EngineConfig.tensor_parallel_timeout
     enable_prefix_caching: bool = True
     swap_space: str = "0"
     preemption_mode: str = "recompute"
@@ -93,6 +95,7 @@ def run_server(settings: ServeSettings) -> int:
         kv_eviction=settings.kv_eviction, host_kv_bytes=settings.host_kv_bytes, disk_kv_dir=settings.disk_kv_dir,
         disk_kv_bytes=settings.disk_kv_bytes, kv_tier_policy=settings.kv_tier_policy,
         kv_layout=settings.kv_layout, kv_resident_bytes=settings.kv_resident_bytes,
+        tensor_parallel_size=settings.tensor_parallel_size, tensor_parallel_timeout=settings.tensor_parallel_timeout,
     )
     timings = {"load": 0.0, "warm-up": 0.0}
 
@@ -104,9 +107,16 @@ def run_server(settings: ServeSettings) -> int:
             timings["warm-up"] = engine.warm_up()
         return engine
 
+    uv_server: list[Any] = []  # set below; the engine thread stops it if the engine fails
+
+    def engine_failed(error: BaseException) -> None:
+        console.print(f"[red]error:[/red] {error}; stopping the server")
+        for server in uv_server:
+            server.should_exit = True
+
     try:
         with console.status("loading the model" + (" and compiling attention kernels" if settings.warmup else "")):
-            engine_loop = EngineLoop.build(build_engine)
+            engine_loop = EngineLoop.build(build_engine, on_fatal=engine_failed)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted during start-up[/yellow]")
         return 130
@@ -128,12 +138,15 @@ def run_server(settings: ServeSettings) -> int:
                                access_log=False, lifespan="off", loop="asyncio", http="h11",
                                timeout_graceful_shutdown=5, timeout_keep_alive=5)
     server = _DrainingServer(uv_config, state, settings.drain_timeout, console)
+    uv_server.append(server)
     try:
         server.run()
     finally:
         engine_loop.stop(timeout=10)
         engine.close()  # the disk tier's files
         state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+    if engine_loop.fatal is not None:
+        return 1
     if not server.started:
         console.print(f"[red]error:[/red] could not serve on {settings.host}:{settings.port}")
         return 1

@@ -1,0 +1,205 @@
+"""Starting a tensor-parallel group, and the loop of every rank but 0.
+
+Two ways to get ranks, as with vLLM:
+
+* **spawned here**: rank 0 (the engine's process) starts ``size - 1`` processes of
+  ``python -m flexpage.worker`` on this host and meets them on a free local port;
+* **torchrun**: ``torchrun --nnodes ... -m flexpage.worker serve ...`` starts every rank on
+  every host; its rendezvous sets ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, rank 0
+  runs the server and the others :func:`run_worker`.
+
+Rank 0 then sends one :class:`WorkerSpec` (pickled once, at start-up), and every rank loads the
+model, keeps its shard and builds its runner. Two process groups: the forward's collectives run
+on the default group, whose timeout (``tensor_parallel_timeout``) bounds how long a rank waits
+for a hung peer; rank 0's commands go out on a second group with no practical timeout, because
+between requests the other ranks wait for the next one as long as the server idles.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flexpage.parallel.group import RankFailure, TensorParallel, sum_check
+from flexpage.parallel.wire import HEADER, Command, payload_size, unpack_pairs, unpack_step
+
+__all__ = ["WorkerSpec", "start_group", "run_worker"]
+
+log = logging.getLogger(__name__)
+
+#: how long the other ranks wait for rank 0's next command (an idle server sends none)
+_COMMAND_TIMEOUT = timedelta(days=365)
+#: set in spawned workers: the pid whose exit ends them (no orphans if rank 0 is killed)
+_PARENT_ENV = "FLEXPAGE_TP_PARENT"
+
+
+@dataclass
+class WorkerSpec:
+    """What every rank builds its runner from (sent once by rank 0)."""
+
+    model_path: str
+    dtype: torch.dtype
+    recipe: Any  # EngineConfig.recipe: a name, file or None (functions do not travel)
+    runner_kwargs: dict[str, Any] = field(default_factory=dict)
+    prime_rows: tuple[int, int] = (0, 0)  # CompactDecoder.prime's max rows and sampled rows
+
+
+@dataclass
+class Group:
+    """Rank 0's view of a started group."""
+
+    parallel: TensorParallel
+    commands: dist.ProcessGroup  # rank 0's commands to the others (see the module docstring)
+    workers: list[subprocess.Popen] = field(default_factory=list)  # spawned here; empty under torchrun
+
+
+def start_group(size: int, timeout_s: float) -> Group:
+    """Make this process rank 0 of ``size`` ranks: spawn the others here, or join the ranks
+    ``torchrun`` started (``WORLD_SIZE`` in the environment). Raises ValueError on a world that
+    does not match ``size`` or a process group that already exists."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        raise ValueError("tensor_parallel_size: this torch build has no torch.distributed gloo backend")
+    if dist.is_initialized():
+        raise ValueError("tensor_parallel_size: this process already belongs to a torch.distributed group "
+                         "(one tensor-parallel engine per process)")
+    timeout = timedelta(seconds=timeout_s)
+    workers: list[subprocess.Popen] = []
+    if "WORLD_SIZE" in os.environ:  # started by torchrun
+        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0"))
+        if world != size:
+            raise ValueError(f"tensor_parallel_size: got {size}, but torchrun started WORLD_SIZE={world} ranks")
+        if rank != 0:
+            raise ValueError(f"the engine runs on rank 0; this is RANK={rank} (start ranks with -m flexpage.worker)")
+        dist.init_process_group("gloo", init_method="env://", rank=0, world_size=size, timeout=timeout)
+    else:
+        # the host's cores split between its ranks (rank 0 included), as torch would give one process
+        threads = max(1, torch.get_num_threads() // size)
+        torch.set_num_threads(threads)
+        port = _free_port()
+        workers = [_spawn(rank, size, port, timeout_s, threads) for rank in range(1, size)]
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=size,
+                                    timeout=timeout)
+        except Exception:
+            _stop(workers)
+            raise
+    commands = dist.new_group(backend="gloo", timeout=_COMMAND_TIMEOUT)
+    return Group(TensorParallel(0, size, dist.group.WORLD), commands, workers)
+
+
+def send_spec(group: Group, spec: WorkerSpec) -> None:
+    """Hand every other rank what it builds its runner from (the one pickled message)."""
+    try:
+        dist.broadcast_object_list([spec], src=0)
+    except (AttributeError, TypeError) as error:  # pickling: a recipe given as functions
+        raise ValueError(f"tensor parallelism: the other ranks cannot receive this configuration ({error}); give "
+                         "the recipe by name ('module:attr' or 'file.py[:attr]')") from error
+
+
+def run_worker() -> int:
+    """The life of a rank other than 0: join the group, build this rank's runner, run rank 0's
+    commands until it says stop. Returns the exit code."""
+    from flexpage.model.loader import load_hf_model
+    from flexpage.model.layer_recipes import engine_recipes
+    from flexpage.model.runner import ModelRunner
+
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if rank == 0:
+        raise ValueError("run_worker: rank 0 runs the engine, not the worker loop")
+    if os.environ.get(_PARENT_ENV):
+        _exit_with_parent(int(os.environ[_PARENT_ENV]))
+    timeout = timedelta(seconds=float(os.environ.get("FLEXPAGE_TP_TIMEOUT", "120")))
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=size, timeout=timeout)
+    commands = dist.new_group(backend="gloo", timeout=_COMMAND_TIMEOUT)
+    received: list[Any] = [None]
+    dist.broadcast_object_list(received, src=0)
+    spec: WorkerSpec = received[0]
+    model = load_hf_model(spec.model_path, spec.dtype)
+    parallel = TensorParallel(rank, size, dist.group.WORLD)
+    runner = ModelRunner(model, recipes=engine_recipes(spec.recipe, model.config), parallel=parallel,
+                         **spec.runner_kwargs)
+    if runner.compact is not None and spec.prime_rows[0]:
+        runner.compact.prime(*spec.prime_rows)
+    sum_check(parallel)
+    serve_commands(runner, commands)
+    dist.destroy_process_group()
+    return 0
+
+
+def serve_commands(runner: Any, commands: dist.ProcessGroup) -> None:
+    """Run rank 0's commands on this rank's ``runner`` until :attr:`Command.STOP`."""
+    header = torch.empty(HEADER, dtype=torch.int64)
+    while True:
+        dist.broadcast(header, 0, group=commands)
+        payload = torch.empty(payload_size(header), dtype=torch.int64)
+        if payload.numel():
+            dist.broadcast(payload, 0, group=commands)
+        command = Command(int(header[0]))
+        if command == Command.STOP:
+            return
+        if command == Command.STEP:
+            with torch.inference_mode():
+                runner.execute(unpack_step(header, payload))
+        elif command == Command.BLOCK_MOVES:
+            runner.apply_block_moves(*unpack_pairs(header, payload, 3))
+        elif command == Command.RELEASE:
+            runner.release(*unpack_pairs(header, payload, 1))
+
+
+def stop_workers(group: Group, timeout_s: float = 10.0) -> None:
+    """Wait for spawned workers to leave (after STOP), killing any still there after ``timeout_s``."""
+    _stop(group.workers, timeout_s)
+
+
+def check_workers(group: Group) -> None:
+    """Raise :class:`RankFailure` naming a spawned rank that has exited."""
+    for rank, worker in enumerate(group.workers, start=1):
+        code = worker.poll()
+        if code is not None:
+            raise RankFailure(f"tensor parallel rank {rank} (pid {worker.pid}) exited with code {code}")
+
+
+def _spawn(rank: int, size: int, port: int, timeout_s: float, threads: int) -> subprocess.Popen:
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads), FLEXPAGE_TP_TIMEOUT=str(timeout_s),
+               **{_PARENT_ENV: str(os.getpid())})
+    return subprocess.Popen([sys.executable, "-m", "flexpage.worker"], env=env)
+
+
+def _stop(workers: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for worker in workers:
+        try:
+            worker.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End this process when ``parent`` (rank 0, which spawned it) is gone, whatever this
+    rank is blocked in: killed rank 0s leave no orphans."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="flexpage-parent-watch", daemon=True).start()

@@ -1,0 +1,121 @@
+"""Rank 0's runner: every command goes to the other ranks first, then runs on its own shard.
+
+The engine drives it as it drives a :class:`~flexpage.model.runner.ModelRunner` (its other
+attributes -- the pool, the compact decoder, the layer groups -- are rank 0's runner's). A
+step that fails here cannot be retried request by request as in one process: the other ranks
+are in the middle of the same step, out of step with rank 0. Any failure is a
+:class:`~flexpage.parallel.group.RankFailure`, which ends the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from flexpage.attention.recipe import Recipe
+from flexpage.model.runner import ModelRunner, StepInputs, check_parallel_supported
+from flexpage.parallel import launch
+from flexpage.parallel.group import RankFailure, sum_check
+from flexpage.parallel.sharding import check_shardable
+from flexpage.parallel.wire import Command, pack_pairs, pack_step
+
+__all__ = ["LeaderRunner", "start_leader"]
+
+T = TypeVar("T")
+
+
+def start_leader(model: torch.nn.Module, spec: launch.WorkerSpec, recipes: tuple[Recipe, ...], size: int,
+                 timeout_s: float) -> LeaderRunner:
+    """Start ``size`` ranks with this process as rank 0 and build every rank's runner from
+    ``spec`` (rank 0's from ``model``, which it shards). The model is checked before any rank
+    starts: a head count ``size`` does not divide is a ValueError naming it."""
+    check_parallel_supported(model, spec.runner_kwargs.get("model_impl", "auto"),
+                             spec.runner_kwargs.get("deterministic", False))
+    check_shardable(model.config.get_text_config(), size)
+    group = launch.start_group(size, timeout_s)
+    try:
+        launch.send_spec(group, spec)
+        runner = ModelRunner(model, recipes=recipes, parallel=group.parallel, **spec.runner_kwargs)
+        sum_check(group.parallel)
+    except BaseException:
+        for worker in group.workers:
+            worker.kill()
+        launch.stop_workers(group)
+        dist.destroy_process_group()
+        raise
+    return LeaderRunner(runner, group)
+
+
+class LeaderRunner:
+    """Rank 0's :class:`ModelRunner` plus the broadcast that keeps the other ranks in step."""
+
+    def __init__(self, runner: ModelRunner, group: launch.Group) -> None:
+        self.runner = runner
+        self.group = group
+        self.closed = False
+
+    def __getattr__(self, name: str) -> Any:  # the pool, compact decoder, layer groups...: rank 0's
+        return getattr(self.runner, name)
+
+    def execute(self, inputs: StepInputs) -> Tensor:
+        self._send(*pack_step(inputs))
+        return self._run(self.runner.execute, inputs)
+
+    def apply_block_moves(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+                          copies: list[tuple[int, int]]) -> None:
+        if swap_out or swap_in or copies:
+            self._send(*pack_pairs(Command.BLOCK_MOVES, swap_out, swap_in, copies))
+            self._run(self.runner.apply_block_moves, swap_out, swap_in, copies)
+
+    def release(self, block_ranges: list[tuple[int, int]]) -> int:
+        self._send(*pack_pairs(Command.RELEASE, block_ranges))
+        return self._run(self.runner.release, block_ranges)
+
+    def check_health(self) -> None:
+        """Raise :class:`RankFailure` if a rank spawned here has exited."""
+        launch.check_workers(self.group)
+
+    def close(self) -> None:
+        """Tell the other ranks to stop, wait for the spawned ones, leave the process group."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._send(*pack_pairs(Command.STOP))
+        except RankFailure:
+            pass  # a dead rank needs no stop command
+        launch.stop_workers(self.group)
+        dist.destroy_process_group()
+
+    def _send(self, header: Tensor, payload: Tensor) -> None:
+        if self.closed:
+            raise RankFailure("tensor parallel group is closed")
+        try:
+            dist.broadcast(header, 0, group=self.group.commands)
+            if payload.numel():
+                dist.broadcast(payload, 0, group=self.group.commands)
+        except Exception as error:
+            raise self._failure(error) from error
+
+    def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            return fn(*args)
+        except Exception as error:
+            raise self._failure(error) from error
+
+    def _failure(self, error: Exception) -> RankFailure:
+        deadline = time.monotonic() + 2.0  # a rank whose socket closed may take a moment to be reaped
+        while True:
+            try:
+                launch.check_workers(self.group)  # a rank that exited names itself
+            except RankFailure as exited:
+                return RankFailure(f"{exited}; the step failed on rank 0 with {type(error).__name__}: {error}")
+            if time.monotonic() > deadline or not self.group.workers:
+                break
+            time.sleep(0.1)
+        return RankFailure(f"tensor parallel step failed on rank 0 ({type(error).__name__}: {error}); the ranks are "
+                           "out of step")

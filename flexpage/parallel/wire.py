@@ -1,0 +1,90 @@
+"""Rank 0's commands to the other ranks, each as one flat int64 tensor.
+
+Every step, rank 0 broadcasts what the other ranks need to run the same forward: the step's
+token ids, sequence and query lengths, sampled rows and block tables (all layer groups), or
+the block moves and releases that keep their pools in step with its own. Nothing is
+pickled per step: a command is a fixed header (:data:`HEADER` int64s: the command and its
+field lengths) and a payload of concatenated int64 fields, sent as two broadcasts.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from flexpage.model.runner import StepInputs
+
+__all__ = ["Command", "HEADER", "pack_pairs", "pack_step", "payload_size", "unpack_pairs", "unpack_step"]
+
+HEADER = 8  # int64s: command, up to 6 field lengths, the payload's length
+
+
+class Command(IntEnum):
+    STEP = 1  # StepInputs
+    BLOCK_MOVES = 2  # swap-out, swap-in and copy pairs
+    RELEASE = 3  # [start, end) block ranges of the virtual layout
+    STOP = 4  # leave the worker loop
+
+
+def _header(command: Command, payload: Tensor, *lengths: int) -> Tensor:
+    header = torch.zeros(HEADER, dtype=torch.int64)
+    header[0] = int(command)
+    header[1:1 + len(lengths)] = torch.tensor(lengths, dtype=torch.int64)
+    header[-1] = payload.numel()
+    return header
+
+
+def payload_size(header: Tensor) -> int:
+    """The payload's int64 count (the receiving ranks allocate it before its broadcast)."""
+    return int(header[-1])
+
+
+def pack_step(inputs: StepInputs) -> tuple[Tensor, Tensor]:
+    """``(header, payload)`` of one step."""
+    per_group = inputs.group_block_tables or [inputs.block_tables]
+    table_lengths = [len(table) for tables in per_group for table in tables]
+    fields = [inputs.token_ids, inputs.seq_lens, inputs.query_lens, inputs.sample_rows, table_lengths,
+              [table_id for tables in per_group for table in tables for table_id in table]]
+    payload = torch.from_numpy(np.concatenate([np.asarray(f, dtype=np.int64) for f in fields]))
+    header = _header(Command.STEP, payload, len(inputs.token_ids), len(inputs.seq_lens), len(inputs.sample_rows),
+                     len(per_group), int(inputs.evicted_pages), int(bool(inputs.group_block_tables)))
+    return header, payload
+
+
+def unpack_step(header: Tensor, payload: Tensor) -> StepInputs:
+    """The :class:`StepInputs` :func:`pack_step` packed."""
+    tokens, seqs, sampled, groups, evicted, grouped = (int(v) for v in header[1:7])
+    values = payload.tolist()
+    fields, start = [], 0
+    for length in (tokens, seqs, seqs, sampled, groups * seqs):
+        fields.append(values[start:start + length])
+        start += length
+    token_ids, seq_lens, query_lens, sample_rows, table_lengths = fields
+    tables: list[list[int]] = []
+    for length in table_lengths:
+        tables.append(values[start:start + length])
+        start += length
+    per_group = [tables[g * seqs:(g + 1) * seqs] for g in range(groups)]
+    return StepInputs(token_ids, per_group[0], seq_lens, query_lens, sample_rows,
+                      group_block_tables=per_group if grouped else [], evicted_pages=bool(evicted))
+
+
+def pack_pairs(command: Command, *pair_lists: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
+    """``(header, payload)`` of a command whose fields are lists of int pairs."""
+    flat = [value for pairs in pair_lists for pair in pairs for value in pair]
+    payload = torch.tensor(flat, dtype=torch.int64)
+    return _header(command, payload, *(len(pairs) for pairs in pair_lists)), payload
+
+
+def unpack_pairs(header: Tensor, payload: Tensor, count: int) -> list[list[tuple[int, int]]]:
+    """The ``count`` pair lists :func:`pack_pairs` packed."""
+    values = payload.tolist()
+    lists, start = [], 0
+    for length in header[1:1 + count].tolist():
+        lists.append([(values[start + 2 * i], values[start + 2 * i + 1]) for i in range(length)])
+        start += 2 * length
+    return lists
+
