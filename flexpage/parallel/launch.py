@@ -62,6 +62,7 @@ class Group:
     parallel: TensorParallel
     commands: dist.ProcessGroup  # rank 0's commands to the others (see the module docstring)
     workers: list[subprocess.Popen] = field(default_factory=list)  # spawned here; empty under torchrun
+    threads_before: int = 0  # rank 0's torch threads before the host's cores were split (restored at stop)
 
 
 def start_group(size: int, timeout_s: float) -> Group:
@@ -75,6 +76,7 @@ def start_group(size: int, timeout_s: float) -> Group:
                          "(one tensor-parallel engine per process)")
     timeout = timedelta(seconds=timeout_s)
     workers: list[subprocess.Popen] = []
+    threads_before = torch.get_num_threads()
     if "WORLD_SIZE" in os.environ:  # started by torchrun
         world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0"))
         if world != size:
@@ -93,9 +95,10 @@ def start_group(size: int, timeout_s: float) -> Group:
                                     timeout=timeout)
         except Exception:
             _stop(workers)
+            torch.set_num_threads(threads_before)
             raise
     commands = dist.new_group(backend="gloo", timeout=_COMMAND_TIMEOUT)
-    return Group(TensorParallel(0, size, dist.group.WORLD), commands, workers)
+    return Group(TensorParallel(0, size, dist.group.WORLD), commands, workers, threads_before)
 
 
 def send_spec(group: Group, spec: WorkerSpec) -> None:
@@ -158,8 +161,11 @@ def serve_commands(runner: Any, commands: dist.ProcessGroup) -> None:
 
 
 def stop_workers(group: Group, timeout_s: float = 10.0) -> None:
-    """Wait for spawned workers to leave (after STOP), killing any still there after ``timeout_s``."""
+    """Wait for spawned workers to leave (after STOP), killing any still there after ``timeout_s``;
+    rank 0 gets its torch threads back."""
     _stop(group.workers, timeout_s)
+    if group.threads_before:
+        torch.set_num_threads(group.threads_before)
 
 
 def check_workers(group: Group) -> None:

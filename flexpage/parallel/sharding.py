@@ -27,11 +27,12 @@ def check_shardable(config: object, size: int) -> None:
         raise ValueError(f"tensor_parallel_size: got {size!r}, expected a positive int")
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    for name, count in (("attention heads", heads), ("key/value heads", kv_heads),
-                        ("MLP intermediate features", config.intermediate_size)):
-        if count % size:
-            raise ValueError(f"tensor_parallel_size={size}: the model has {count} {name}, which {size} ranks cannot "
-                             f"split evenly (use a size that divides {count})")
+    counts = (("attention heads", heads), ("key/value heads", kv_heads),
+              ("MLP intermediate features", config.intermediate_size))
+    uneven = [f"{count} {name}" for name, count in counts if count % size]
+    if uneven:
+        raise ValueError(f"tensor_parallel_size={size}: the model has {' and '.join(uneven)}, which {size} ranks "
+                         "cannot split evenly (use a size that divides every head count)")
 
 
 def shard_rows(t: Tensor, rank: int, size: int, dim: int = 0) -> Tensor:

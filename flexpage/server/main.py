@@ -69,6 +69,7 @@ def run_server(settings: ServeSettings) -> int:
     """Blocking: serve until a signal; returns the exit code."""
     import uvicorn
     from rich.console import Console
+    from rich.markup import escape
 
     from flexpage.config import EngineConfig, parse_size
     from flexpage.engine import LLMEngine
@@ -110,9 +111,9 @@ def run_server(settings: ServeSettings) -> int:
     uv_server: list[Any] = []  # set below; the engine thread stops it if the engine fails
 
     def engine_failed(error: BaseException) -> None:
-        console.print(f"[red]error:[/red] {error}; stopping the server")
         for server in uv_server:
             server.should_exit = True
+        console.print(f"[red]error:[/red] {escape(str(error))}; stopping the server")
 
     try:
         with console.status("loading the model" + (" and compiling attention kernels" if settings.warmup else "")):

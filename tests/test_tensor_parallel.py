@@ -1,0 +1,281 @@
+"""Tensor parallelism, specified against one process and HF transformers.
+
+* Sharding: every rank's slices of a model reassemble to the original weights; a rank
+  count that does not divide the head counts is refused before any rank starts, naming them.
+* The wire: a step and the block moves travel as int64 tensors and come back unchanged.
+* Recipes: a rank's heads see the model's head numbers (ALiBi's slopes follow their heads).
+* Ranks spawned here (gloo): greedy tokens equal HF's / one process's for a tiny Llama with
+  4 KV heads (compiled step, prefix-cache hits), under swap preemption with ALiBi, and for
+  SmolLM2 on 3 ranks.
+* Failure: a rank killed mid-request ends the server with an error, non-zero, within 30 s,
+  leaving no process behind; a killed rank 0 takes its spawned ranks with it.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from engine_models import hf_greedy, load_reference, random_prompts
+from flexpage import LLM, SamplingParams
+from flexpage.attention.recipe import offset_heads
+from flexpage.config import EngineConfig
+from flexpage.model.runner import StepInputs
+from flexpage.parallel.group import padded_vocab
+from flexpage.parallel.launch import start_group
+from flexpage.parallel.sharding import check_shardable, shard_llama
+from flexpage.parallel.wire import Command, pack_pairs, pack_step, unpack_pairs, unpack_step
+from flexpage.recipes import alibi
+from server_fixtures import ServerProcess
+
+# ---- sharding -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kind", "overrides"), [("llama", {"num_key_value_heads": 4}),
+                                                 ("qwen2", {"tie_word_embeddings": True})])
+def test_rank_shards_reassemble_to_the_original_weights(kind, overrides, tiny_model):
+    """Column-parallel slices stack by rows, row-parallel ones by columns, the vocabulary by rows
+    (padding dropped); a row-parallel bias is kept once (rank 0)."""
+    model = load_reference(tiny_model(kind, **overrides))
+    size = 2
+    shards = []
+    for rank in range(size):
+        shard = copy.deepcopy(model)
+        shard_llama(shard, rank, size)
+        shards.append(dict(shard.named_parameters()))
+    for name, original in model.named_parameters():
+        parts = [shard[name] for shard in shards]
+        row_parallel = name.endswith(("o_proj.weight", "down_proj.weight"))
+        if "norm" in name:
+            assert all(torch.equal(p, original) for p in parts), name  # replicated
+            continue
+        whole = torch.cat(parts, dim=1 if row_parallel else 0)
+        assert torch.equal(whole[: original.shape[0]], original), name
+    if model.config.tie_word_embeddings:
+        assert all(s.get("lm_head.weight") is None or s["lm_head.weight"] is s["model.embed_tokens.weight"]
+                   for s in shards)
+
+
+def test_the_vocabulary_is_padded_to_whole_rank_slices():
+    assert padded_vocab(49152, 3) == 49152
+    assert padded_vocab(10, 3) == 12
+    assert padded_vocab(10, 1) == 10
+
+
+def test_smollm2_splits_over_3_ranks_and_is_refused_on_2_naming_its_heads(default_model_path):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(default_model_path, local_files_only=True)
+    check_shardable(config, 3)
+    with pytest.raises(ValueError, match="9 attention heads and 3 key/value heads"):
+        check_shardable(config, 2)
+    with pytest.raises(ValueError, match="9 attention heads and 3 key/value heads"):
+        LLM(None, dtype="float32", compile=False, num_blocks=64, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    (dict(tensor_parallel_size=0), "tensor_parallel_size: got 0"),
+    (dict(tensor_parallel_timeout=0), "tensor_parallel_timeout: got 0"),
+    (dict(tensor_parallel_size=2, deterministic=True), "deterministic: not available with tensor_parallel"),
+    (dict(tensor_parallel_size=2, kv_budget_tokens=64), "kv_budget_tokens: not available with tensor_parallel"),
+    (dict(tensor_parallel_size=2, host_kv_bytes="1MiB"), "host_kv_bytes: not available with tensor_parallel"),
+])
+def test_settings_tensor_parallelism_cannot_serve_are_named(config, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**config)
+
+
+def test_a_torchrun_world_of_another_size_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="got 2, but torchrun started WORLD_SIZE=3"):
+        start_group(2, 10.0)
+
+
+# ---- the wire and the recipes -----------------------------------------------------------
+
+
+def test_a_step_travels_as_int64_tensors_and_comes_back_unchanged():
+    step = StepInputs(token_ids=[5, 6, 7, 9], block_tables=[[1, 2], [3]], seq_lens=[10, 1], query_lens=[3, 1],
+                      sample_rows=[2, 3], group_block_tables=[[[1, 2], [3]], [[0, 4], [5]]], evicted_pages=True)
+    header, payload = pack_step(step)
+    assert header.dtype == payload.dtype == torch.int64
+    assert unpack_step(header, payload) == step
+    plain = StepInputs([1], [[4]], [1], [1], [0])
+    assert unpack_step(*pack_step(plain)) == plain
+
+
+def test_block_moves_travel_as_pairs():
+    header, payload = pack_pairs(Command.BLOCK_MOVES, [(1, 2)], [], [(3, 4), (5, 6)])
+    assert Command(int(header[0])) == Command.BLOCK_MOVES
+    assert unpack_pairs(header, payload, 3) == [[(1, 2)], [], [(3, 4), (5, 6)]]
+
+
+def test_a_rank_s_heads_see_the_model_s_head_numbers():
+    """ALiBi on a rank holding heads 4..7 of 8 gives those heads' slopes."""
+    full, shard = alibi(8), offset_heads(alibi(8), 4)
+    score, b = torch.zeros(()), torch.tensor(0)
+    q, kv = torch.tensor(10), torch.tensor(3)
+    for h in range(4):
+        assert shard.score_mod(score, b, torch.tensor(h), q, kv) == full.score_mod(score, b, torch.tensor(h + 4), q, kv)
+    assert offset_heads(full, 0) is full
+    assert shard.block_rule is full.block_rule and shard.window == full.window
+
+
+# ---- ranks spawned here ------------------------------------------------------------------
+
+PROMPTS = random_prompts((5, 17, 40), seed=1)
+NEW_TOKENS = 12
+
+
+def _greedy(llm, prompts, tokens=NEW_TOKENS, **params):
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=tokens, **params))
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _close(llm: LLM) -> None:
+    workers = [w.pid for w in llm.engine.runner.group.workers]
+    llm.engine.close()
+    assert not any(_alive(pid) for pid in workers)
+
+
+@pytest.mark.usefixtures("compile_budget")
+def test_two_ranks_give_hf_greedy_tokens_through_the_compiled_step_with_prefix_hits(tiny_model):
+    folder = tiny_model("llama", num_key_value_heads=4)
+    reference = load_reference(folder)
+    shared = random_prompts((24,), seed=5)[0]
+    prompts = [*PROMPTS, shared + [11, 12], shared + [13]]
+    expected = [hf_greedy(reference, p, NEW_TOKENS) for p in prompts]
+    llm = LLM(str(folder), dtype="float32", compile=True, num_blocks=64, tensor_parallel_size=2)
+    try:
+        engine = llm.engine
+        assert engine.runner.pool.num_kv_heads == 2  # each rank holds half the KV heads
+        assert _greedy(llm, prompts[:4]) + _greedy(llm, prompts[4:]) == expected
+        assert engine.runner.compiled_step is not None and engine.runner.compiled_step.steps_run > 0
+        assert engine.stats()["prefix_cache_hits"] > 0
+        assert engine.block_manager.stats().used == 0
+    finally:
+        _close(llm)
+
+
+def test_two_ranks_match_one_process_under_swap_preemption_with_alibi(tiny_model, llm_factory, tmp_path):
+    """Each rank swaps its share of the blocks; ALiBi's slopes follow their heads."""
+    recipe = tmp_path / "alibi4.py"
+    recipe.write_text("from flexpage.recipes import alibi\nRECIPE = alibi(4)\n")
+    folder = tiny_model("llama", num_key_value_heads=4)
+    prompts = random_prompts((5, 17, 33, 60, 9, 24), seed=7)
+    config = dict(num_blocks=13, block_size=16, preemption_mode="swap", swap_space="1MiB",
+                  max_num_batched_tokens=16, recipe=str(recipe))
+    expected = _greedy(llm_factory(folder, **config), prompts, 16, ignore_eos=True)
+    llm = LLM(str(folder), dtype="float32", compile=False, tensor_parallel_size=2, **config)
+    try:
+        assert _greedy(llm, prompts, 16, ignore_eos=True) == expected
+        assert llm.engine.stats()["preemptions"] > 0
+    finally:
+        _close(llm)
+
+
+def test_smollm2_on_three_ranks_gives_one_process_greedy_tokens(llm_factory):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    expected = llm_factory(None).chat(messages, params)[0].outputs[0].token_ids
+    llm = LLM(None, dtype="float32", compile=False, num_blocks=64, tensor_parallel_size=3)
+    try:
+        assert llm.chat(messages, params)[0].outputs[0].token_ids == expected
+    finally:
+        _close(llm)
+
+
+# ---- failure ----------------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().split(")")[-1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+    return found
+
+
+def test_a_rank_killed_mid_request_ends_the_server_with_an_error_and_no_orphans(tiny_model):
+    server = ServerProcess("--model", str(tiny_model("llama", num_key_value_heads=4)), "--dtype", "float32",
+                           "--eager", "--no-warmup", "--num-blocks", "64", "--tensor-parallel-size", "2")
+    server.start().wait_ready(timeout=240)
+    try:
+        workers = _children(server.proc.pid)
+        assert len(workers) == 1
+        client = server.openai(timeout=60)
+        model = client.models.list().data[0].id
+        received, error = [], []
+
+        def stream() -> None:
+            try:
+                for chunk in client.completions.create(model=model, prompt=[5, 6, 7], max_tokens=1500, stream=True,
+                                                       extra_body={"ignore_eos": True}):
+                    received.append(chunk.choices[0].finish_reason)
+            except Exception as failure:  # noqa: BLE001 - what the client sees is the point
+                error.append(failure)
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        deadline = time.monotonic() + 60
+        while len(received) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(received) >= 5, (error, server.output()[-3000:])
+        os.kill(workers[0], signal.SIGKILL)
+        killed = time.monotonic()
+        code = server.proc.wait(30)
+        assert time.monotonic() - killed < 30
+        reader.join(30)
+        assert code != 0
+        assert error or received[-1] not in (None, "length"), "the in-flight request did not fail"
+        assert "tensor parallel rank 1" in server.output()
+        assert not any(_alive(pid) for pid in workers)
+    finally:
+        server.stop()
+
+
+def test_a_killed_rank_0_takes_its_spawned_ranks_with_it(tiny_model):
+    folder = tiny_model("llama", num_key_value_heads=4)
+    script = textwrap.dedent(f"""
+        import time
+        from flexpage import LLM
+        llm = LLM({str(folder)!r}, dtype="float32", compile=False, num_blocks=64, tensor_parallel_size=2)
+        print(*[w.pid for w in llm.engine.runner.group.workers], flush=True)
+        time.sleep(600)
+    """)
+    leader = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(pid) for pid in leader.stdout.readline().split()]
+        assert workers and all(_alive(pid) for pid in workers)
+        leader.send_signal(signal.SIGKILL)
+        leader.wait(10)
+        deadline = time.monotonic() + 15
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in workers)
+    finally:
+        leader.kill()
