@@ -125,9 +125,9 @@ class LLMEngine:
         self.runner: ModelRunner | LeaderRunner
         if config.tensor_parallel_size > 1:
             spec = WorkerSpec(str(path), dtype, config.recipe, runner_kwargs,
-                              prime_rows=(config.max_num_batched_tokens, config.max_num_seqs))
-            self.runner = start_leader(model, spec, self.recipes, config.tensor_parallel_size,
-                                       config.tensor_parallel_timeout)
+                              prime_rows=(config.max_num_batched_tokens, config.max_num_seqs),
+                              timeout_s=config.tensor_parallel_timeout)
+            self.runner = start_leader(model, spec, self.recipes, config.tensor_parallel_size)
         else:
             self.runner = ModelRunner(model, recipes=self.recipes, **runner_kwargs)
         host_slots = parse_size(config.host_kv_bytes, "host_kv_bytes") // bytes_per_block

@@ -31,7 +31,7 @@ from flexpage.attention.recipe import offset_heads
 from flexpage.config import EngineConfig
 from flexpage.model.runner import StepInputs
 from flexpage.parallel.group import padded_vocab
-from flexpage.parallel.launch import start_group
+from flexpage.parallel.launch import WorkerSpec, start_group
 from flexpage.parallel.sharding import check_shardable, shard_llama
 from flexpage.parallel.wire import Command, pack_pairs, pack_step, unpack_pairs, unpack_step
 from flexpage.recipes import alibi
@@ -98,7 +98,7 @@ def test_a_torchrun_world_of_another_size_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ValueError, match="got 2, but torchrun started WORLD_SIZE=3"):
-        start_group(2, 10.0)
+        start_group(2, WorkerSpec("unused", torch.float32, None))
 
 
 # ---- the wire and the recipes -----------------------------------------------------------
@@ -220,12 +220,18 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def test_a_rank_killed_mid_request_ends_the_server_with_an_error_and_no_orphans(tiny_model):
+@pytest.mark.parametrize(("fault", "message"), [(signal.SIGKILL, "tensor parallel rank 1"),
+                                                 (signal.SIGSTOP, "timed out")])
+def test_a_rank_that_dies_or_hangs_mid_request_ends_the_server_with_an_error(fault, message, tiny_model):
+    """Killed: its peers see the connection drop at once. Hung (stopped): the collective's
+    timeout (5 s here) ends the wait. Either way the request fails, the server exits non-zero
+    within 30 s, and no rank is left running."""
     server = ServerProcess("--model", str(tiny_model("llama", num_key_value_heads=4)), "--dtype", "float32",
-                           "--eager", "--no-warmup", "--num-blocks", "64", "--tensor-parallel-size", "2")
+                           "--eager", "--no-warmup", "--num-blocks", "64", "--tensor-parallel-size", "2",
+                           "--tensor-parallel-timeout", "5")
     server.start().wait_ready(timeout=240)
+    workers = _children(server.proc.pid)
     try:
-        workers = _children(server.proc.pid)
         assert len(workers) == 1
         client = server.openai(timeout=60)
         model = client.models.list().data[0].id
@@ -245,16 +251,19 @@ def test_a_rank_killed_mid_request_ends_the_server_with_an_error_and_no_orphans(
         while len(received) < 5 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(received) >= 5, (error, server.output()[-3000:])
-        os.kill(workers[0], signal.SIGKILL)
-        killed = time.monotonic()
+        os.kill(workers[0], fault)
+        faulted = time.monotonic()
         code = server.proc.wait(30)
-        assert time.monotonic() - killed < 30
+        assert time.monotonic() - faulted < 30
         reader.join(30)
         assert code != 0
         assert error or received[-1] not in (None, "length"), "the in-flight request did not fail"
-        assert "tensor parallel rank 1" in server.output()
+        assert message in server.output().lower()
         assert not any(_alive(pid) for pid in workers)
     finally:
+        for pid in workers:  # a stopped rank cannot even notice its parent is gone
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
         server.stop()
 
 

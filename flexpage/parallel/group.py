@@ -65,8 +65,9 @@ def padded_vocab(vocab_size: int, size: int) -> int:
 
 
 def sum_check(parallel: TensorParallel) -> None:
-    """A collective every rank answers at start-up: fails fast on a broken group."""
+    """A collective every rank answers once its runner is built (on the start-up group: the
+    ranks load their shards at their own pace); fails on a broken group."""
     probe = torch.ones(1)
-    dist.all_reduce(probe, group=parallel.group)
+    dist.all_reduce(probe)
     if int(probe.item()) != parallel.size:
         raise RankFailure(f"tensor parallel: an all-reduce over {parallel.size} ranks gave {int(probe.item())}")

@@ -9,10 +9,12 @@ Two ways to get ranks, as with vLLM:
   runs the server and the others :func:`run_worker`.
 
 Rank 0 then sends one :class:`WorkerSpec` (pickled once, at start-up), and every rank loads the
-model, keeps its shard and builds its runner. Two process groups: the forward's collectives run
-on the default group, whose timeout (``tensor_parallel_timeout``) bounds how long a rank waits
-for a hung peer; rank 0's commands go out on a second group with no practical timeout, because
-between requests the other ranks wait for the next one as long as the server idles.
+model, keeps its shard and builds its runner. Three process groups, by how long a wait may last:
+the default group meets the ranks and carries the start-up messages (:data:`STARTUP_TIMEOUT`:
+processes start, import torch and load the model); the forward's collectives run on a group
+whose timeout (``tensor_parallel_timeout``) bounds how long a rank waits for a hung peer; rank
+0's commands go out on a group with no practical timeout, because between requests the other
+ranks wait for the next one as long as the server idles.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ __all__ = ["WorkerSpec", "start_group", "run_worker"]
 
 log = logging.getLogger(__name__)
 
+#: how long the ranks may take to start and load their shards
+STARTUP_TIMEOUT = timedelta(minutes=10)
 #: how long the other ranks wait for rank 0's next command (an idle server sends none)
 _COMMAND_TIMEOUT = timedelta(days=365)
 #: set in spawned workers: the pid whose exit ends them (no orphans if rank 0 is killed)
@@ -53,6 +57,7 @@ class WorkerSpec:
     recipe: Any  # EngineConfig.recipe: a name, file or None (functions do not travel)
     runner_kwargs: dict[str, Any] = field(default_factory=dict)
     prime_rows: tuple[int, int] = (0, 0)  # CompactDecoder.prime's max rows and sampled rows
+    timeout_s: float = 120.0  # EngineConfig.tensor_parallel_timeout
 
 
 @dataclass
@@ -65,16 +70,15 @@ class Group:
     threads_before: int = 0  # rank 0's torch threads before the host's cores were split (restored at stop)
 
 
-def start_group(size: int, timeout_s: float) -> Group:
+def start_group(size: int, spec: WorkerSpec) -> Group:
     """Make this process rank 0 of ``size`` ranks: spawn the others here, or join the ranks
-    ``torchrun`` started (``WORLD_SIZE`` in the environment). Raises ValueError on a world that
-    does not match ``size`` or a process group that already exists."""
+    ``torchrun`` started (``WORLD_SIZE`` in the environment), and send them ``spec``. Raises
+    ValueError on a world that does not match ``size`` or a process group that already exists."""
     if not dist.is_available() or not dist.is_gloo_available():
         raise ValueError("tensor_parallel_size: this torch build has no torch.distributed gloo backend")
     if dist.is_initialized():
         raise ValueError("tensor_parallel_size: this process already belongs to a torch.distributed group "
                          "(one tensor-parallel engine per process)")
-    timeout = timedelta(seconds=timeout_s)
     workers: list[subprocess.Popen] = []
     threads_before = torch.get_num_threads()
     if "WORLD_SIZE" in os.environ:  # started by torchrun
@@ -83,25 +87,38 @@ def start_group(size: int, timeout_s: float) -> Group:
             raise ValueError(f"tensor_parallel_size: got {size}, but torchrun started WORLD_SIZE={world} ranks")
         if rank != 0:
             raise ValueError(f"the engine runs on rank 0; this is RANK={rank} (start ranks with -m flexpage.worker)")
-        dist.init_process_group("gloo", init_method="env://", rank=0, world_size=size, timeout=timeout)
+        dist.init_process_group("gloo", init_method="env://", rank=0, world_size=size, timeout=STARTUP_TIMEOUT)
     else:
         # the host's cores split between its ranks (rank 0 included), as torch would give one process
         threads = max(1, torch.get_num_threads() // size)
         torch.set_num_threads(threads)
         port = _free_port()
-        workers = [_spawn(rank, size, port, timeout_s, threads) for rank in range(1, size)]
+        workers = [_spawn(rank, size, port, threads) for rank in range(1, size)]
         try:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=size,
-                                    timeout=timeout)
-        except Exception:
-            _stop(workers)
+                                    timeout=STARTUP_TIMEOUT)
+        except BaseException:
+            _stop(workers, kill=True)
             torch.set_num_threads(threads_before)
             raise
-    commands = dist.new_group(backend="gloo", timeout=_COMMAND_TIMEOUT)
-    return Group(TensorParallel(0, size, dist.group.WORLD), commands, workers, threads_before)
+    try:
+        _send_spec(spec)
+    except BaseException:
+        _stop(workers, kill=True)
+        dist.destroy_process_group()
+        torch.set_num_threads(threads_before)
+        raise
+    forward, commands = _step_groups(spec.timeout_s)
+    return Group(TensorParallel(0, size, forward), commands, workers, threads_before)
 
 
-def send_spec(group: Group, spec: WorkerSpec) -> None:
+def _step_groups(timeout_s: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """The forward's group and the commands' group (every rank makes them, in this order)."""
+    return (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)),
+            dist.new_group(backend="gloo", timeout=_COMMAND_TIMEOUT))
+
+
+def _send_spec(spec: WorkerSpec) -> None:
     """Hand every other rank what it builds its runner from (the one pickled message)."""
     try:
         dist.broadcast_object_list([spec], src=0)
@@ -122,14 +139,13 @@ def run_worker() -> int:
         raise ValueError("run_worker: rank 0 runs the engine, not the worker loop")
     if os.environ.get(_PARENT_ENV):
         _exit_with_parent(int(os.environ[_PARENT_ENV]))
-    timeout = timedelta(seconds=float(os.environ.get("FLEXPAGE_TP_TIMEOUT", "120")))
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=size, timeout=timeout)
-    commands = dist.new_group(backend="gloo", timeout=_COMMAND_TIMEOUT)
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=size, timeout=STARTUP_TIMEOUT)
     received: list[Any] = [None]
     dist.broadcast_object_list(received, src=0)
     spec: WorkerSpec = received[0]
+    forward, commands = _step_groups(spec.timeout_s)
     model = load_hf_model(spec.model_path, spec.dtype)
-    parallel = TensorParallel(rank, size, dist.group.WORLD)
+    parallel = TensorParallel(rank, size, forward)
     runner = ModelRunner(model, recipes=engine_recipes(spec.recipe, model.config), parallel=parallel,
                          **spec.runner_kwargs)
     if runner.compact is not None and spec.prime_rows[0]:
@@ -160,10 +176,10 @@ def serve_commands(runner: Any, commands: dist.ProcessGroup) -> None:
             runner.release(*unpack_pairs(header, payload, 1))
 
 
-def stop_workers(group: Group, timeout_s: float = 10.0) -> None:
-    """Wait for spawned workers to leave (after STOP), killing any still there after ``timeout_s``;
-    rank 0 gets its torch threads back."""
-    _stop(group.workers, timeout_s)
+def stop_workers(group: Group, timeout_s: float = 10.0, kill: bool = False) -> None:
+    """Wait for spawned workers to leave (after STOP; ``kill``: at once), killing any still there
+    after ``timeout_s``; rank 0 gets its torch threads back."""
+    _stop(group.workers, timeout_s, kill)
     if group.threads_before:
         torch.set_num_threads(group.threads_before)
 
@@ -176,16 +192,17 @@ def check_workers(group: Group) -> None:
             raise RankFailure(f"tensor parallel rank {rank} (pid {worker.pid}) exited with code {code}")
 
 
-def _spawn(rank: int, size: int, port: int, timeout_s: float, threads: int) -> subprocess.Popen:
+def _spawn(rank: int, size: int, port: int, threads: int) -> subprocess.Popen:
     env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads), FLEXPAGE_TP_TIMEOUT=str(timeout_s),
-               **{_PARENT_ENV: str(os.getpid())})
+               MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads), **{_PARENT_ENV: str(os.getpid())})
     return subprocess.Popen([sys.executable, "-m", "flexpage.worker"], env=env)
 
 
-def _stop(workers: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+def _stop(workers: list[subprocess.Popen], timeout_s: float = 10.0, kill: bool = False) -> None:
     deadline = time.monotonic() + timeout_s
     for worker in workers:
+        if kill:
+            worker.kill()
         try:
             worker.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:

@@ -28,23 +28,20 @@ __all__ = ["LeaderRunner", "start_leader"]
 T = TypeVar("T")
 
 
-def start_leader(model: torch.nn.Module, spec: launch.WorkerSpec, recipes: tuple[Recipe, ...], size: int,
-                 timeout_s: float) -> LeaderRunner:
+def start_leader(model: torch.nn.Module, spec: launch.WorkerSpec, recipes: tuple[Recipe, ...],
+                 size: int) -> LeaderRunner:
     """Start ``size`` ranks with this process as rank 0 and build every rank's runner from
     ``spec`` (rank 0's from ``model``, which it shards). The model is checked before any rank
     starts: a head count ``size`` does not divide is a ValueError naming it."""
     check_parallel_supported(model, spec.runner_kwargs.get("model_impl", "auto"),
                              spec.runner_kwargs.get("deterministic", False))
     check_shardable(model.config.get_text_config(), size)
-    group = launch.start_group(size, timeout_s)
+    group = launch.start_group(size, spec)
     try:
-        launch.send_spec(group, spec)
         runner = ModelRunner(model, recipes=recipes, parallel=group.parallel, **spec.runner_kwargs)
         sum_check(group.parallel)
     except BaseException:
-        for worker in group.workers:
-            worker.kill()
-        launch.stop_workers(group)
+        launch.stop_workers(group, kill=True)
         dist.destroy_process_group()
         raise
     return LeaderRunner(runner, group)
