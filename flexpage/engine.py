@@ -34,7 +34,7 @@ from flexpage.model.layer_recipes import engine_recipes
 from flexpage.model.runner import ModelRunner, StepInputs, layer_groups_for
 from flexpage.model.sampler import TokenHistory, make_generator, sample
 from flexpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from flexpage.parallel.group import RankFailure
+from flexpage.model.tensor_parallel import RankFailure
 from flexpage.parallel.launch import WorkerSpec
 from flexpage.parallel.leader import LeaderRunner, start_leader
 from flexpage.sampling_params import SamplingParams
@@ -430,7 +430,7 @@ class LLMEngine:
             self.runner.close()
 
     def check_health(self) -> None:
-        """Raise :class:`~flexpage.parallel.group.RankFailure` if a tensor-parallel rank has
+        """Raise :class:`~flexpage.model.tensor_parallel.RankFailure` if a tensor-parallel rank has
         exited (a server calls it while idle, so a dead rank ends it without waiting for a request)."""
         if isinstance(self.runner, LeaderRunner):
             self.runner.check_health()

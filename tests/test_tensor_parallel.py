@@ -30,9 +30,9 @@ from flexpage import LLM, SamplingParams
 from flexpage.attention.recipe import offset_heads
 from flexpage.config import EngineConfig
 from flexpage.model.runner import StepInputs
-from flexpage.parallel.group import padded_vocab
+from flexpage.model.tensor_parallel import padded_vocab
 from flexpage.parallel.launch import WorkerSpec, start_group
-from flexpage.parallel.sharding import check_shardable, shard_llama
+from flexpage.model.sharding import check_shardable, shard_llama
 from flexpage.parallel.wire import Command, pack_pairs, pack_step, unpack_pairs, unpack_step
 from flexpage.recipes import alibi
 from server_fixtures import ServerProcess

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flexpage.model.packed_linear import PackedLinear
-from flexpage.parallel.group import TensorParallel
+from flexpage.model.tensor_parallel import TensorParallel
 
 __all__ = ["CompactDecoder", "supports"]
 
@@ -74,7 +74,7 @@ class CompactDecoder:
         """``row_tile``: every projection computes this many rows per call (deterministic mode,
         see :func:`~flexpage.model.packed_linear.tiled_rows`); None: one call per projection.
 
-        ``parallel``: ``model`` holds this rank's share (:func:`~flexpage.parallel.sharding.shard_llama`):
+        ``parallel``: ``model`` holds this rank's share (:func:`~flexpage.model.sharding.shard_llama`):
         the embedding is looked up and the o and down projections' outputs summed across ranks,
         and the LM head's vocabulary slices are gathered."""
         if not supports(model):

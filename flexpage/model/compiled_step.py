@@ -42,7 +42,7 @@ from flexpage.attention.paging import AttentionGroup, PagedBatch
 from flexpage.attention.recipe import Recipe
 from flexpage.model.compact import CompactDecoder, rms_norm
 from flexpage.model.packed_linear import PackedLinear, padded_rows
-from flexpage.parallel.group import TensorParallel
+from flexpage.model.tensor_parallel import TensorParallel
 
 __all__ = ["CompiledStep"]
 

@@ -53,8 +53,8 @@ from flexpage.model.compact import CompactDecoder, supports
 from flexpage.model.compiled_step import CompiledStep
 from flexpage.model.layer_recipes import model_recipes, recipe_for
 from flexpage.model.packed_linear import tiled_rows
-from flexpage.parallel.group import TensorParallel
-from flexpage.parallel.sharding import shard_llama
+from flexpage.model.tensor_parallel import TensorParallel
+from flexpage.model.sharding import shard_llama
 
 IMPLEMENTATION_NAME = "flexpage_paged"
 #: rows per projection call in deterministic mode (see ModelRunner): every call the same
@@ -207,7 +207,7 @@ class ModelRunner:
         (``build_paged_batch(contiguous_rows=True)``); :meth:`release` gives rows' memory back.
 
         ``parallel``: this process is one rank of a tensor-parallel group and keeps its share of
-        the model (:func:`~flexpage.parallel.sharding.shard_llama`, on the compact forward) and
+        the model (:func:`~flexpage.model.sharding.shard_llama`, on the compact forward) and
         of the pool: its KV heads, with the block tables every rank shares. Every rank must
         execute the same steps (:class:`~flexpage.parallel.leader.LeaderRunner`).
         """

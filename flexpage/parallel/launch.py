@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexpage.parallel.group import RankFailure, TensorParallel, sum_check
+from flexpage.model.tensor_parallel import RankFailure, TensorParallel, sum_check
 from flexpage.parallel.wire import HEADER, Command, payload_size, unpack_pairs, unpack_step
 
 __all__ = ["WorkerSpec", "start_group", "run_worker"]

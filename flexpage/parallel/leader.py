@@ -4,7 +4,7 @@ The engine drives it as it drives a :class:`~flexpage.model.runner.ModelRunner` 
 attributes -- the pool, the compact decoder, the layer groups -- are rank 0's runner's). A
 step that fails here cannot be retried request by request as in one process: the other ranks
 are in the middle of the same step, out of step with rank 0. Any failure is a
-:class:`~flexpage.parallel.group.RankFailure`, which ends the engine.
+:class:`~flexpage.model.tensor_parallel.RankFailure`, which ends the engine.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from torch import Tensor
 from flexpage.attention.recipe import Recipe
 from flexpage.model.runner import ModelRunner, StepInputs, check_parallel_supported
 from flexpage.parallel import launch
-from flexpage.parallel.group import RankFailure, sum_check
-from flexpage.parallel.sharding import check_shardable
+from flexpage.model.tensor_parallel import RankFailure, sum_check
+from flexpage.model.sharding import check_shardable
 from flexpage.parallel.wire import Command, pack_pairs, pack_step
 
 __all__ = ["LeaderRunner", "start_leader"]

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
 from flexpage.outputs import Logprob, RequestOutput
-from flexpage.parallel.group import RankFailure
+from flexpage.model.tensor_parallel import RankFailure
 
 __all__ = ["Accepted", "Delta", "EngineLoop", "Failed", "SampleDelta", "Sink"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexpage.parallel.group import padded_vocab
+from flexpage.model.tensor_parallel import padded_vocab
 
 __all__ = ["check_shardable", "shard_llama", "shard_rows"]
 
