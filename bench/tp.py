@@ -116,7 +116,7 @@ def prefill_ms(llm: LLM) -> float:
     return statistics.median(times) * 1000
 
 
-def bytes_per_decode_step(batch: int, tp: int, dtype: torch.dtype) -> int:
+def bytes_per_decode_step(batch: int, tp: int, dtype: torch.dtype, layers: int) -> int:
     """What one decode step's collectives carry out of each rank: two all-reduces per layer and
     one for the embedding, of ``[rows, hidden]`` (rows padded as the compiled step pads them), and
     the LM head's slice of the logits gathered from every rank."""
@@ -126,7 +126,7 @@ def bytes_per_decode_step(batch: int, tp: int, dtype: torch.dtype) -> int:
 
     size = torch.empty((), dtype=dtype).element_size()
     rows = padded_rows(batch)
-    reduces = (2 * SHAPE["num_hidden_layers"] + 1) * rows * SHAPE["hidden_size"] * size
+    reduces = (2 * layers + 1) * rows * SHAPE["hidden_size"] * size
     logits = padded_rows(batch) * SHAPE["vocab_size"] // tp * size
     return reduces + logits
 
@@ -144,7 +144,8 @@ def measure(tp: int, quick: bool) -> dict:
             result[f"decode_b{batch}_ms"] = step
             if tp > 1:
                 result[f"comm_b{batch}_ms"] = comm
-                result[f"comm_b{batch}_bytes"] = bytes_per_decode_step(batch, tp, llm.engine.dtype)
+                result[f"comm_b{batch}_bytes"] = bytes_per_decode_step(batch, tp, llm.engine.dtype,
+                                                                       len(llm.engine.runner.compact.layers))
         result["prefill_4x256_ms"] = prefill_ms(llm)
         return result
     finally:

@@ -33,8 +33,8 @@ from flexpage.model.loader import load_hf_model, load_tokenizer, resolve_model_p
 from flexpage.model.layer_recipes import engine_recipes
 from flexpage.model.runner import ModelRunner, StepInputs, layer_groups_for
 from flexpage.model.sampler import TokenHistory, make_generator, sample
-from flexpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from flexpage.model.tensor_parallel import RankFailure
+from flexpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from flexpage.parallel.launch import WorkerSpec
 from flexpage.parallel.leader import LeaderRunner, start_leader
 from flexpage.sampling_params import SamplingParams

@@ -94,6 +94,12 @@ def test_settings_tensor_parallelism_cannot_serve_are_named(config, message):
         EngineConfig(**config)
 
 
+def test_a_recipe_that_cannot_travel_to_the_other_ranks_is_refused_before_they_start(tiny_model):
+    with pytest.raises(ValueError, match="give the recipe by name"):
+        LLM(str(tiny_model("llama", num_key_value_heads=4)), dtype="float32", compile=False, num_blocks=64,
+            tensor_parallel_size=2, recipe=alibi(4))
+
+
 def test_a_torchrun_world_of_another_size_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "0")
@@ -233,6 +239,7 @@ def test_a_rank_that_dies_or_hangs_mid_request_ends_the_server_with_an_error(fau
     workers = _children(server.proc.pid)
     try:
         assert len(workers) == 1
+        assert "2 ranks (spawned on this host" in server.output()  # the banner
         client = server.openai(timeout=60)
         model = client.models.list().data[0].id
         received, error = [], []
@@ -288,3 +295,16 @@ def test_a_killed_rank_0_takes_its_spawned_ranks_with_it(tiny_model):
         assert not any(_alive(pid) for pid in workers)
     finally:
         leader.kill()
+
+
+def test_a_rank_that_dies_while_the_server_idles_stops_it(tiny_model):
+    server = ServerProcess("--model", str(tiny_model("llama", num_key_value_heads=4)), "--dtype", "float32",
+                           "--eager", "--no-warmup", "--num-blocks", "64", "--tensor-parallel-size", "2")
+    server.start().wait_ready(timeout=240)
+    try:
+        (worker,) = _children(server.proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        assert server.proc.wait(30) == 1
+        assert "tensor parallel rank 1" in server.output()
+    finally:
+        server.stop()

@@ -53,8 +53,8 @@ from flexpage.model.compact import CompactDecoder, supports
 from flexpage.model.compiled_step import CompiledStep
 from flexpage.model.layer_recipes import model_recipes, recipe_for
 from flexpage.model.packed_linear import tiled_rows
-from flexpage.model.tensor_parallel import TensorParallel
 from flexpage.model.sharding import shard_llama
+from flexpage.model.tensor_parallel import TensorParallel
 
 IMPLEMENTATION_NAME = "flexpage_paged"
 #: rows per projection call in deterministic mode (see ModelRunner): every call the same

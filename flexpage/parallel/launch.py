@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -79,6 +80,11 @@ def start_group(size: int, spec: WorkerSpec) -> Group:
     if dist.is_initialized():
         raise ValueError("tensor_parallel_size: this process already belongs to a torch.distributed group "
                          "(one tensor-parallel engine per process)")
+    try:
+        pickle.dumps(spec)
+    except Exception as error:  # a recipe given as a closure: it cannot travel to the other ranks
+        raise ValueError(f"tensor parallelism: the other ranks cannot receive this configuration ({error}); give "
+                         "the recipe by name ('module:attr' or 'file.py[:attr]')") from error
     workers: list[subprocess.Popen] = []
     threads_before = torch.get_num_threads()
     if "WORLD_SIZE" in os.environ:  # started by torchrun
@@ -102,7 +108,7 @@ def start_group(size: int, spec: WorkerSpec) -> Group:
             torch.set_num_threads(threads_before)
             raise
     try:
-        _send_spec(spec)
+        dist.broadcast_object_list([spec], src=0)  # the one pickled message
     except BaseException:
         _stop(workers, kill=True)
         dist.destroy_process_group()
@@ -116,15 +122,6 @@ def _step_groups(timeout_s: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup
     """The forward's group and the commands' group (every rank makes them, in this order)."""
     return (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)),
             dist.new_group(backend="gloo", timeout=_COMMAND_TIMEOUT))
-
-
-def _send_spec(spec: WorkerSpec) -> None:
-    """Hand every other rank what it builds its runner from (the one pickled message)."""
-    try:
-        dist.broadcast_object_list([spec], src=0)
-    except (AttributeError, TypeError) as error:  # pickling: a recipe given as functions
-        raise ValueError(f"tensor parallelism: the other ranks cannot receive this configuration ({error}); give "
-                         "the recipe by name ('module:attr' or 'file.py[:attr]')") from error
 
 
 def run_worker() -> int:

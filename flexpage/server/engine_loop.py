@@ -36,8 +36,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
-from flexpage.outputs import Logprob, RequestOutput
 from flexpage.model.tensor_parallel import RankFailure
+from flexpage.outputs import Logprob, RequestOutput
 
 __all__ = ["Accepted", "Delta", "EngineLoop", "Failed", "SampleDelta", "Sink"]
 

@@ -188,6 +188,8 @@ def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str
     table.add_row("max model len", f"{engine.max_model_len:,} tokens; max {engine.config.max_num_seqs} sequences, "
                                    f"{engine.config.max_num_batched_tokens} batched tokens / step")
     table.add_row("KV layout", _layout_summary(engine))
+    if engine.config.tensor_parallel_size > 1:
+        table.add_row("tensor parallel", _parallel_summary(engine))
     table.add_row("prefix caching", "on" if engine.config.enable_prefix_caching
                   else "off" + (" (the virtual layout shares no blocks)" if engine.config.kv_layout == "virtual" else ""))
     budget = engine.config.kv_budget_tokens
@@ -215,6 +217,13 @@ def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str
     table.add_row("startup", f"load {load_s:.1f} s, warm-up {warm_s:.1f} s")
     console.print(Panel(table, title="[bold]flexpage serve[/bold]", subtitle="Ctrl-C drains and stops",
                         expand=False))
+
+
+def _parallel_summary(engine: Any) -> str:
+    size, runner = engine.config.tensor_parallel_size, engine.runner
+    started = "spawned on this host" if runner.group.workers else "started by torchrun"
+    return (f"{size} ranks ({started}, gloo), each with {runner.pool.num_kv_heads} KV heads and 1/{size} of every "
+            f"layer; a rank that dies, or hangs {engine.config.tensor_parallel_timeout:.0f} s, stops the server")
 
 
 def _layout_summary(engine: Any) -> str:
