@@ -11,10 +11,12 @@ after its warm-up (compiled step):
 * **decode step** at batch 1 and 32 (128-token prompts, prefilled first): median of 10
   ``engine.step()`` calls after 2 untimed ones;
 * **prefill step**: 4 new 256-token prompts in one step;
-* **communication per decode step** (TP=2): rank 0's time inside the collectives -- the
-  all-reduces, the logits' all-gather and the step's broadcast -- from ``torch.profiler``
-  over 4 decode steps (``_c10d_functional`` and ``c10d`` events, waits included: a rank that
-  waits for a slower peer pays it here), and the bytes each step's collectives carry.
+* **communication per decode step** (TP=2), two ways: rank 0's time inside the collectives
+  -- the sums, the logits' gather and the step's broadcast -- from ``torch.profiler`` over 4
+  decode steps (``_c10d_functional`` and ``c10d`` events; waits included, so the time rank 0
+  waits for a slower peer counts here), and the collectives alone: the same ones, same shapes,
+  in one compiled graph on two fresh ranks with nothing else to do (median of 10); and the
+  bytes each step's collectives carry.
 
 Medians over rounds; TP=2 / TP=1 ratios. Writes --out (JSON).
 """
@@ -131,6 +133,48 @@ def bytes_per_decode_step(batch: int, tp: int, dtype: torch.dtype, layers: int) 
     return reduces + logits
 
 
+def _collectives_rank(rank: int, port: int, rows: int, layers: int, out: dict) -> None:
+    """One of two ranks timing a decode step's collectives alone (see :func:`collectives_ms`)."""
+    import torch.distributed as dist
+
+    from flexpage.model.tensor_parallel import TensorParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    parallel = TensorParallel(rank, 2, dist.new_group(backend="gloo"))
+    hidden = torch.randn(rows, SHAPE["hidden_size"])
+    logits = torch.randn(rows, SHAPE["vocab_size"] // 2)
+
+    def step(h: torch.Tensor, lg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for _ in range(2 * layers + 1):  # o and down per layer, and the embedding
+            h = parallel.all_reduce(h) * 0.5
+        return h, parallel.gather_columns(lg)
+
+    compiled = torch.compile(step, fullgraph=True)
+    times = []
+    for i in range(12):
+        dist.barrier(parallel.group)
+        start = time.perf_counter()
+        compiled(hidden, logits)
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        out["ms"] = statistics.median(times[2:]) * 1000
+    dist.destroy_process_group()
+
+
+def collectives_ms(batch: int, layers: int) -> float:
+    """Median ms of one decode step's collectives alone on two fresh ranks (compiled, as in the step)."""
+    import torch.multiprocessing as mp
+
+    from flexpage.model.packed_linear import padded_rows
+    from flexpage.parallel.launch import free_port
+
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_collectives_rank, args=(free_port(), padded_rows(batch), layers, out), nprocs=2)
+        return out["ms"]
+
+
 def measure(tp: int, quick: bool) -> dict:
     folder = model_folder(quick)
     start = time.perf_counter()
@@ -143,13 +187,16 @@ def measure(tp: int, quick: bool) -> dict:
             step, comm = decode_ms(llm, batch, profile_steps=4 if tp > 1 else 0)
             result[f"decode_b{batch}_ms"] = step
             if tp > 1:
+                layers = len(llm.engine.runner.compact.layers)
                 result[f"comm_b{batch}_ms"] = comm
-                result[f"comm_b{batch}_bytes"] = bytes_per_decode_step(batch, tp, llm.engine.dtype,
-                                                                       len(llm.engine.runner.compact.layers))
+                result[f"comm_b{batch}_bytes"] = bytes_per_decode_step(batch, tp, llm.engine.dtype, layers)
         result["prefill_4x256_ms"] = prefill_ms(llm)
-        return result
     finally:
         llm.engine.close()
+    if tp > 1:  # after the engine is gone: the ranks then have the machine to themselves
+        for batch in BATCHES:
+            result[f"collectives_alone_b{batch}_ms"] = collectives_ms(batch, layers)
+    return result
 
 
 def log(message: str) -> None:
@@ -165,8 +212,10 @@ def summarise(rounds: list[dict]) -> dict:
     one, two = by_tp[1], by_tp[2]
     ratios = {k: two[k] / one[k] for k in one if k.startswith(("decode", "prefill"))}
     comm_share = {f"b{b}": two[f"comm_b{b}_ms"] / two[f"decode_b{b}_ms"] for b in BATCHES}
+    alone_share = {f"b{b}": two[f"collectives_alone_b{b}_ms"] / two[f"decode_b{b}_ms"] for b in BATCHES}
     return {"shape": SHAPE, "rounds": rounds, "median": {str(k): v for k, v in by_tp.items()},
             "tp2_over_tp1": ratios, "comm_share_of_decode_step": comm_share,
+            "collectives_alone_share_of_decode_step": alone_share,
             "machine": {"cpus": os.cpu_count(), "torch_threads_tp1": torch.get_num_threads()}}
 
 
@@ -176,18 +225,20 @@ def print_table(result: dict) -> None:
 
     one, two = result["median"]["1"], result["median"]["2"]
     table = Table(title="TP=1 vs TP=2, ~1.1B Llama shape (median over rounds)")
-    for column in ("", "TP=1", "TP=2", "TP=2 / TP=1", "TP=2 in collectives"):
+    for column in ("", "TP=1", "TP=2", "TP=2 / TP=1", "rank 0 in collectives", "collectives alone", "bytes"):
         table.add_column(column, justify="right")
     for batch in BATCHES:
-        key = f"decode_b{batch}_ms"
-        table.add_row(f"decode step, batch {batch}", f"{one[key]:.1f} ms", f"{two[key]:.1f} ms",
+        key, b = f"decode_b{batch}_ms", f"b{batch}"
+        table.add_row(f"decode step, batch {batch}", f"{one[key]:.0f} ms", f"{two[key]:.0f} ms",
                       f"{two[key] / one[key]:.2f}",
-                      f"{two[f'comm_b{batch}_ms']:.1f} ms ({result['comm_share_of_decode_step'][f'b{batch}']:.0%}), "
-                      f"{two[f'comm_b{batch}_bytes'] / 1e6:.2f} MB")
+                      f"{two[f'comm_{b}_ms']:.0f} ms ({result['comm_share_of_decode_step'][b]:.0%})",
+                      f"{two[f'collectives_alone_{b}_ms']:.0f} ms "
+                      f"({result['collectives_alone_share_of_decode_step'][b]:.0%})",
+                      f"{two[f'comm_{b}_bytes'] / 1e6:.1f} MB")
     table.add_row("prefill step, 4 x 256", f"{one['prefill_4x256_ms']:.0f} ms", f"{two['prefill_4x256_ms']:.0f} ms",
-                  f"{two['prefill_4x256_ms'] / one['prefill_4x256_ms']:.2f}", "")
+                  f"{two['prefill_4x256_ms'] / one['prefill_4x256_ms']:.2f}", "", "", "")
     table.add_row("load / warm-up", f"{one['load_s']:.0f} / {one['warm_up_s']:.0f} s",
-                  f"{two['load_s']:.0f} / {two['warm_up_s']:.0f} s", "", "")
+                  f"{two['load_s']:.0f} / {two['warm_up_s']:.0f} s", "", "", "", "")
     Console().print(table)
 
 

@@ -35,7 +35,7 @@ from flexpage.parallel.launch import WorkerSpec, start_group
 from flexpage.model.sharding import check_shardable, shard_llama
 from flexpage.parallel.wire import Command, pack_pairs, pack_step, unpack_pairs, unpack_step
 from flexpage.recipes import alibi
-from server_fixtures import ServerProcess
+from server_fixtures import ServerProcess, free_port
 
 # ---- sharding -------------------------------------------------------------------------
 
@@ -158,9 +158,10 @@ def _alive(pid: int) -> bool:
 
 
 def _close(llm: LLM) -> None:
-    workers = [w.pid for w in llm.engine.runner.group.workers]
+    """Close the engine: every spawned rank leaves on rank 0's STOP (exit code 0)."""
+    workers = llm.engine.runner.group.workers
     llm.engine.close()
-    assert not any(_alive(pid) for pid in workers)
+    assert [w.returncode for w in workers] == [0] * len(workers)
 
 
 @pytest.mark.usefixtures("compile_budget")
@@ -308,3 +309,28 @@ def test_a_rank_that_dies_while_the_server_idles_stops_it(tiny_model):
         assert "tensor parallel rank 1" in server.output()
     finally:
         server.stop()
+
+
+def test_ranks_started_by_torchrun_serve_one_process_s_greedy_text(tiny_model, llm_factory):
+    """The multi-host path on one host: torchrun starts both ranks of ``-m flexpage.worker serve``,
+    rank 0 serves HTTP with the world size as its tensor-parallel size."""
+    folder = tiny_model("llama", num_key_value_heads=4)
+    prompt = random_prompts((9,), seed=11)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = llm_factory(folder).generate({"prompt_token_ids": prompt}, params)[0].outputs[0].text
+    server = ServerProcess()
+    server.args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                   "--master-port", str(free_port()), "-m", "flexpage.worker", "serve", "--model", str(folder),
+                   "--dtype", "float32", "--eager", "--no-warmup", "--num-blocks", "64", "--port", str(server.port)]
+    server.start().wait_ready(timeout=240)
+    try:
+        assert "2 ranks (started by torchrun" in server.output()
+        client = server.openai(timeout=60)
+        out = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=8,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        assert out.choices[0].text == expected
+    finally:
+        server.stop()  # Ctrl-C: torchrun passes it on to both ranks, and itself exits 1 (its SignalException)
+    output = server.output()
+    assert "flexpage serve stopped" in output  # rank 0 drained and stopped rank 1
+    assert "[rank1]" not in output, output[-3000:]  # rank 1 left without a traceback

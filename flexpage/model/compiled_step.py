@@ -7,7 +7,9 @@ pool, paged FlexAttention, the MLP -- and the final norm and LM head over the sa
 are traced into one ``torch.compile`` graph: one guard check per step, elementwise ops
 fused by Inductor. Decode rows read the pool in place and prefill rows a gathered copy of
 their keys, as in :class:`~flexpage.attention.flex.FlexRunner`; a step holds either or both.
-In the virtual layout both read each sequence's row of the pool in place.
+In the virtual layout both read each sequence's row of the pool in place. Under tensor
+parallelism the graph holds the rank's collectives too (the embedding's and the row-parallel
+projections' sums, the logits' gather; :mod:`flexpage.model.tensor_parallel`).
 
 What makes the graph cheap to build and to run:
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -98,7 +99,7 @@ def start_group(size: int, spec: WorkerSpec) -> Group:
         # the host's cores split between its ranks (rank 0 included), as torch would give one process
         threads = max(1, torch.get_num_threads() // size)
         torch.set_num_threads(threads)
-        port = _free_port()
+        port = free_port()
         workers = [_spawn(rank, size, port, threads) for rank in range(1, size)]
         try:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=size,
@@ -134,6 +135,9 @@ def run_worker() -> int:
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if rank == 0:
         raise ValueError("run_worker: rank 0 runs the engine, not the worker loop")
+    # Ctrl-C reaches every rank (a terminal's process group, torchrun forwarding it): rank 0
+    # drains its requests and then sends STOP; the others must keep serving its steps till then
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if os.environ.get(_PARENT_ENV):
         _exit_with_parent(int(os.environ[_PARENT_ENV]))
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=size, timeout=STARTUP_TIMEOUT)
@@ -157,7 +161,11 @@ def serve_commands(runner: Any, commands: dist.ProcessGroup) -> None:
     """Run rank 0's commands on this rank's ``runner`` until :attr:`Command.STOP`."""
     header = torch.empty(HEADER, dtype=torch.int64)
     while True:
-        dist.broadcast(header, 0, group=commands)
+        try:
+            dist.broadcast(header, 0, group=commands)
+        except RuntimeError as error:  # rank 0 is gone without a STOP (killed, or its launcher ended it)
+            log.warning("tensor parallel: rank 0 has gone (%s); this rank stops", str(error).splitlines()[0])
+            return
         payload = torch.empty(payload_size(header), dtype=torch.int64)
         if payload.numel():
             dist.broadcast(payload, 0, group=commands)
@@ -207,7 +215,7 @@ def _stop(workers: list[subprocess.Popen], timeout_s: float = 10.0, kill: bool =
             worker.wait()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

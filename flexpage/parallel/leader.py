@@ -10,6 +10,7 @@ are in the middle of the same step, out of step with rank 0. Any failure is a
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -26,6 +27,9 @@ from flexpage.parallel.wire import Command, pack_pairs, pack_step
 __all__ = ["LeaderRunner", "start_leader"]
 
 T = TypeVar("T")
+
+#: how long closing waits for the other ranks to take the stop command
+_STOP_TIMEOUT_S = 10.0
 
 
 def start_leader(model: torch.nn.Module, spec: launch.WorkerSpec, recipes: tuple[Recipe, ...],
@@ -54,6 +58,7 @@ class LeaderRunner:
         self.runner = runner
         self.group = group
         self.closed = False
+        self.failure: RankFailure | None = None  # the group is out of step: no more commands
 
     def __getattr__(self, name: str) -> Any:  # the pool, compact decoder, layer groups...: rank 0's
         return getattr(self.runner, name)
@@ -77,20 +82,24 @@ class LeaderRunner:
         launch.check_workers(self.group)
 
     def close(self) -> None:
-        """Tell the other ranks to stop, wait for the spawned ones, leave the process group."""
+        """Tell the other ranks to stop, wait for the spawned ones (killing what is left after
+        a failure), leave the process group."""
         if self.closed:
             return
+        if self.failure is None:  # a failed group's ranks may be unable even to receive it
+            try:
+                header, _ = pack_pairs(Command.STOP)
+                work = dist.broadcast(header, 0, group=self.group.commands, async_op=True)
+                work.wait(timeout=timedelta(seconds=_STOP_TIMEOUT_S))
+            except RuntimeError:
+                pass  # a rank that cannot take the command is killed below (if spawned here)
         self.closed = True
-        try:
-            self._send(*pack_pairs(Command.STOP))
-        except RankFailure:
-            pass  # a dead rank needs no stop command
-        launch.stop_workers(self.group)
+        launch.stop_workers(self.group, kill=self.failure is not None)
         dist.destroy_process_group()
 
     def _send(self, header: Tensor, payload: Tensor) -> None:
-        if self.closed:
-            raise RankFailure("tensor parallel group is closed")
+        if self.closed or self.failure is not None:
+            raise RankFailure(f"tensor parallel group is {'closed' if self.closed else 'out of step'}")
         try:
             dist.broadcast(header, 0, group=self.group.commands)
             if payload.numel():
@@ -105,6 +114,10 @@ class LeaderRunner:
             raise self._failure(error) from error
 
     def _failure(self, error: Exception) -> RankFailure:
+        self.failure = self._explain(error)
+        return self.failure
+
+    def _explain(self, error: Exception) -> RankFailure:
         deadline = time.monotonic() + 2.0  # a rank whose socket closed may take a moment to be reaped
         while True:
             try:
