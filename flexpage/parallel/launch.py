@@ -38,7 +38,8 @@ import torch.distributed as dist
 from flexpage.model.tensor_parallel import RankFailure, TensorParallel, sum_check
 from flexpage.parallel.wire import HEADER, Command, payload_size, unpack_pairs, unpack_step
 
-__all__ = ["WorkerSpec", "start_group", "run_worker"]
+__all__ = ["Group", "WorkerSpec", "check_workers", "free_port", "run_worker", "serve_commands", "start_group",
+           "stop_workers"]
 
 log = logging.getLogger(__name__)
 

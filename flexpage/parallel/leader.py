@@ -19,9 +19,9 @@ from torch import Tensor
 
 from flexpage.attention.recipe import Recipe
 from flexpage.model.runner import ModelRunner, StepInputs, check_parallel_supported
-from flexpage.parallel import launch
-from flexpage.model.tensor_parallel import RankFailure, sum_check
 from flexpage.model.sharding import check_shardable
+from flexpage.model.tensor_parallel import RankFailure, sum_check
+from flexpage.parallel import launch
 from flexpage.parallel.wire import Command, pack_pairs, pack_step
 
 __all__ = ["LeaderRunner", "start_leader"]

@@ -1,10 +1,11 @@
-"""Rank 0's commands to the other ranks, each as one flat int64 tensor.
+"""Rank 0's commands to the other ranks, as int64 tensors.
 
 Every step, rank 0 broadcasts what the other ranks need to run the same forward: the step's
 token ids, sequence and query lengths, sampled rows and block tables (all layer groups), or
 the block moves and releases that keep their pools in step with its own. Nothing is
 pickled per step: a command is a fixed header (:data:`HEADER` int64s: the command and its
-field lengths) and a payload of concatenated int64 fields, sent as two broadcasts.
+field lengths, the payload's length) and a payload of concatenated int64 fields, sent as two
+broadcasts (the other ranks size the payload from the header).
 """
 
 from __future__ import annotations
