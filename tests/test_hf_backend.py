@@ -277,3 +277,67 @@ def test_qwen2_matches_sdpa():
     sdpa = build(Qwen2ForCausalLM, qwen2_config(), weights, "sdpa")
     flex = build(Qwen2ForCausalLM, qwen2_config(), weights, "flexpage")
     assert_same_model(sdpa, flex, ids, mask, pad=0)
+
+
+# ---- (d) compilation is bounded by design, and a compiled model runs it --------------------
+
+
+def llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(  # GQA 4/2, two layers: small enough to compile the whole model in a test
+        vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+
+
+@pytest.fixture(scope="module")
+def llama_pair():
+    from transformers import LlamaForCausalLM
+
+    weights = random_weights(LlamaForCausalLM, llama_config(), seed=6)
+    return (build(LlamaForCausalLM, llama_config(), weights, "sdpa"),
+            build(LlamaForCausalLM, llama_config(), weights, "flexpage"))
+
+
+#: prompt lengths around every size the kernel's block lists change at: one and two 32-token
+#: query blocks, one and two 128-token key blocks, and beyond
+SWEEP_LENGTHS = [5, 17, 40, 31, 32, 33, 64, 100, 127, 128, 129, 200, 257, 300]
+WARM_LENGTHS = 3  # the graphs a model needs are compiled by then (prefill, decode)
+
+
+def test_new_prompt_lengths_compile_nothing_after_the_first_few(llama_pair):
+    """A sweep of prompt lengths (and the cache lengths their decodes reach) generates the same
+    tokens as sdpa and, after the first three lengths, compiles no new graph."""
+    from torch._dynamo.utils import counters
+
+    sdpa, flex = llama_pair
+    compiled_after = []
+    for n, length in enumerate(SWEEP_LENGTHS):
+        ids, mask = ragged_batch([length, max(1, length - 3)], 128, 0, seed=100 + n)
+        assert_same_generation(sdpa, flex, ids, mask, pad=0)
+        compiled_after.append(counters["stats"]["unique_graphs"])
+    new_graphs = compiled_after[-1] - compiled_after[WARM_LENGTHS - 1]
+    assert new_graphs == 0, f"{new_graphs} graphs compiled for new lengths after the first {WARM_LENGTHS}"
+
+
+def test_whole_model_compiled_with_dynamic_and_static_cache_matches_sdpa(llama_pair):
+    """``torch.compile`` around the model (HF's and gpt-fast's recommended path): the attention is
+    traced into the model's graph; greedy tokens equal sdpa's with HF's default (dynamic) cache
+    and with its static cache (whose query offset is a tensor and whose mask is built ahead)."""
+    import torch._dynamo
+
+    sdpa, flex = llama_pair
+    ids, mask = ragged_batch([40, 33], 128, 0, seed=7)
+    want, _ = greedy(sdpa, ids, mask, pad_token_id=0)
+    compiled = copy.copy(flex)  # same modules and weights, own forward
+    compiled.forward = torch.compile(flex.forward)
+    try:
+        for cache in (None, "static"):
+            got = compiled.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                                    min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                                    cache_implementation=cache)
+            assert got[:, ids.shape[1]:].tolist() == want.tolist(), f"cache_implementation={cache}"
+    finally:
+        torch._dynamo.reset()

@@ -1,4 +1,14 @@
-"""Work around a name clash in PyTorch's CPU FlexAttention template (torch 2.13/2.14).
+"""Work around two bugs in PyTorch's CPU FlexAttention lowering (torch 2.13/2.14).
+
+1. A name clash in the template (below).
+2. Tensors a mask or score mod reads (``score_mod_other_buffers``/``mask_mod_other_buffers``)
+   that the same graph computes (e.g. a row's start position from a padding mask, when the
+   whole model is one compiled graph) reach the template unrealised, and it fails to find a
+   kernel (``NoValidChoicesError``; inside: ``NotImplementedError: Pointwise``): the lowering
+   lists them as the template's buffers before realising them. :func:`apply` realises them
+   first.
+
+The name clash:
 
 ``CppFlexAttentionTemplate.modification`` turns the size symbols of the runtime block
 sizes back into ``cur_qSplitSize``/``cur_kvSplitSize`` with a plain ``str.replace``. When
@@ -24,6 +34,7 @@ def apply() -> None:
     from torch._inductor.codegen import cpp as cpp_codegen
     from torch._inductor.codegen.cpp_flex_attention_template import CppFlexAttentionTemplate
 
+    _realise_captured_buffers_first()
     original = CppFlexAttentionTemplate.modification
     if getattr(original, "_flexpage_fixed", False):
         return
@@ -56,3 +67,20 @@ def apply() -> None:
 
     modification._flexpage_fixed = True  # type: ignore[attr-defined]
     CppFlexAttentionTemplate.modification = modification
+
+
+def _realise_captured_buffers_first() -> None:
+    from torch._inductor.kernel.flex import flex_attention as lowering
+    from torch._inductor.kernel.flex.common import maybe_realize
+
+    original = lowering.lower_cpu
+    if getattr(original, "_flexpage_fixed", False):
+        return
+
+    def lower_cpu(query, key, value, subgraph, block_mask, scale, kernel_options,  # type: ignore[no-untyped-def]
+                  score_mod_other_buffers, mask_mod_other_buffers):
+        return original(query, key, value, subgraph, block_mask, scale, kernel_options,
+                        maybe_realize(list(score_mod_other_buffers)), maybe_realize(list(mask_mod_other_buffers)))
+
+    lower_cpu._flexpage_fixed = True  # type: ignore[attr-defined]
+    lowering.lower_cpu = lower_cpu

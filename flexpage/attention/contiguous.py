@@ -1,10 +1,18 @@
 """FlexAttention over contiguous per-row K/V (the layout HF transformers' caches use).
 
 The HF backend (:mod:`flexpage.model.hf_backend`) runs recipes on HF's own cache
-tensors ``[B, H_kv, S, D]``: there are no pages, but the same ideas apply -- the block
-mask is built from lengths with tensor operations (never ``create_block_mask``), wholly
-visible key blocks skip the mask, and the recipe sees logical positions (cache index
-minus the row's left padding).
+tensors ``[B, H_kv, S, D]``: there are no pages, but the same ideas as the paged path apply
+-- the block mask is built from lengths with tensor operations (never ``create_block_mask``),
+wholly visible key blocks skip the mask, the recipe sees logical positions (cache index
+minus the row's left padding), the kernel is flexpage's tuned CPU template, and decode
+queries pack the query heads that share a kv head into rows (``[B, H_kv, G, D]``: each key
+block is read once per kv head, not once per query head).
+
+One compiled function serves every call; its sizes are dynamic and kept off Dynamo's 0/1
+specialisations (index lists and query-block lists padded to at least two entries; queries
+always in HF's ``[B, L, H, D]`` memory order), so a new prompt or cache length compiles
+nothing: a model needs one graph for prefill and one for decode per (recipe, batch of one or
+more) -- see ``tests/test_hf_backend.py``.
 """
 
 from __future__ import annotations
@@ -16,11 +24,12 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexpage.attention import torch_patches
-from flexpage.attention.flex import call_compiled, isa_kernel_options
+from flexpage.attention.flex import call_compiled, kernel_options_for
 from flexpage.attention.recipe import Recipe
 
 KV_BLOCK = 128
 PREFILL_Q_BLOCK = 32
+_MIN_LISTED = 2  # index and query-block lists are padded to this: Dynamo specialises a size of 1
 
 
 @dataclass(frozen=True)
@@ -29,17 +38,21 @@ class RowLayout:
 
     valid: Tensor  # [B, S_kv] bool
     shift: Tensor  # [B] int64: logical position = absolute index - shift
-    q_offset: int  # absolute index of the first query
+    q_offset: int | Tensor  # absolute index of the first query (a 0-d tensor from HF's static cache)
     kv_offset: int  # absolute index of cache index 0
 
 
 @dataclass(frozen=True)
 class ContiguousMask:
+    """One forward pass's block lists for one recipe, and each row's logical start positions."""
+
     kv_num_blocks: Tensor
     kv_indices: Tensor
     full_kv_num_blocks: Tensor
     full_kv_indices: Tensor
     q_block: int
+    q_start: Tensor  # [B]: logical position of query 0
+    kv_start: Tensor  # [B]: logical position of cache index 0
 
 
 def build_contiguous_mask(layout: RowLayout, q_len: int, recipe: Recipe) -> ContiguousMask:
@@ -48,13 +61,14 @@ def build_contiguous_mask(layout: RowLayout, q_len: int, recipe: Recipe) -> Cont
     q_block = 1 if q_len == 1 else PREFILL_Q_BLOCK
     num_q_blocks = -(-q_len // q_block)
     num_kv_blocks = -(-kv_len // KV_BLOCK)
-    shift = layout.shift[:, None, None]
+    q_start = layout.q_offset - layout.shift
+    kv_start = layout.kv_offset - layout.shift
     m = torch.arange(num_q_blocks)[None, :, None]
-    q_lo = layout.q_offset + m * q_block - shift
-    q_hi = layout.q_offset + torch.clamp((m + 1) * q_block, max=q_len) - 1 - shift
+    q_lo = q_start[:, None, None] + m * q_block
+    q_hi = q_start[:, None, None] + torch.clamp((m + 1) * q_block, max=q_len) - 1
     j = torch.arange(num_kv_blocks)[None, None, :]
-    kv_lo = layout.kv_offset + j * KV_BLOCK - shift
-    kv_hi = layout.kv_offset + torch.clamp((j + 1) * KV_BLOCK, max=kv_len) - 1 - shift
+    kv_lo = kv_start[:, None, None] + j * KV_BLOCK
+    kv_hi = kv_start[:, None, None] + torch.clamp((j + 1) * KV_BLOCK, max=kv_len) - 1
     b = torch.arange(batch)[:, None, None]
     may, every = recipe.block_rule(b, q_lo, q_hi, kv_lo, kv_hi)
     padded = torch.nn.functional.pad(layout.valid, (0, num_kv_blocks * KV_BLOCK - kv_len))
@@ -64,28 +78,41 @@ def build_contiguous_mask(layout: RowLayout, q_len: int, recipe: Recipe) -> Cont
     may = may & any_valid
     every = every & may & all_valid
     partial = may & ~every
-    return ContiguousMask(*_compact(partial), *_compact(every), q_block=q_block)
+    if q_block > 1 and num_q_blocks < _MIN_LISTED:  # a query block past the last one: visits nothing
+        partial, every = (torch.nn.functional.pad(t, (0, 0, 0, _MIN_LISTED - num_q_blocks)) for t in (partial, every))
+    return ContiguousMask(*_compact(partial), *_compact(every), q_block=q_block, q_start=q_start, kv_start=kv_start)
 
 
 def _compact(selected: Tensor) -> tuple[Tensor, Tensor]:
-    order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True)
-    return selected.sum(-1, dtype=torch.int32)[:, None], order.int()[:, None]
+    """``[B, M, J]`` bools -> (counts ``[B, 1, M]``, ids ``[B, 1, M, max(J, 2)]``), listed blocks first."""
+    order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True).int()
+    if order.shape[-1] < _MIN_LISTED:  # entries past the count are never read
+        order = torch.nn.functional.pad(order, (0, _MIN_LISTED - order.shape[-1]))
+    return selected.sum(-1, dtype=torch.int32)[:, None].contiguous(), order[:, None].contiguous()
 
 
 def _contiguous_attention(
     q: Tensor, k: Tensor, v: Tensor, kv_num_blocks: Tensor, kv_indices: Tensor, full_kv_num_blocks: Tensor,
-    full_kv_indices: Tensor, valid: Tensor, shift: Tensor, q_offset: Tensor, kv_offset: Tensor,
-    recipe: Recipe, q_block: int, scale: float | None, kernel_options: dict,
+    full_kv_indices: Tensor, valid: Tensor, q_start: Tensor, kv_start: Tensor,
+    recipe: Recipe, q_block: int, heads_per_kv: int, scale: float | None, kernel_options: dict,
 ) -> Tensor:
+    """``heads_per_kv`` > 1: decode queries packed as ``[B, H_kv, G, D]`` (row ``g`` is query head
+    ``h * G + g``, all at the row's one query position); else ``[B, H, L, D]``."""
+    g = heads_per_kv
+
     def positions(b: Tensor, q_idx: Tensor, kv_idx: Tensor) -> tuple[Tensor, Tensor]:
-        return q_offset + q_idx - shift[b], kv_offset + kv_idx - shift[b]
+        query = q_start[b] if g > 1 else q_start[b] + q_idx
+        return query, kv_start[b] + kv_idx
+
+    def query_head(h: Tensor, q_idx: Tensor) -> Tensor:
+        return h * g + q_idx if g > 1 else h
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         ok = valid[b, kv_idx]
         if recipe.mask_mod is None:
             return ok
         q_pos, kv_pos = positions(b, q_idx, kv_idx)
-        return ok & recipe.mask_mod(b, h, q_pos, kv_pos)
+        return ok & recipe.mask_mod(b, query_head(h, q_idx), q_pos, kv_pos)
 
     score_mod = None
     if recipe.score_mod is not None:
@@ -93,10 +120,10 @@ def _contiguous_attention(
 
         def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             q_pos, kv_pos = positions(b, q_idx, kv_idx)
-            return user_score(score, b, h, q_pos, kv_pos)
+            return user_score(score, b, query_head(h, q_idx), q_pos, kv_pos)
 
     block_mask = BlockMask.from_kv_blocks(
-        kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, BLOCK_SIZE=(q_block, KV_BLOCK),
+        kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, BLOCK_SIZE=(q_block * g, KV_BLOCK),
         mask_mod=mask_mod, seq_lengths=(q.shape[2], k.shape[2]), compute_q_blocks=False,
     )
     return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
@@ -107,9 +134,10 @@ def _contiguous_attention(
 _compiled_contiguous_attention = torch.compile(_contiguous_attention, dynamic=False, fullgraph=True)
 
 
-def _mark_dynamic(q: Tensor, k: Tensor, v: Tensor, mask: ContiguousMask, layout: RowLayout) -> None:
-    for t, dims in ((q, (0, 2)), (k, (0, 2)), (v, (0, 2)), (layout.valid, (0, 1)), (layout.shift, (0,)),
-                    (mask.kv_num_blocks, (0, 2)), (mask.kv_indices, (0, 2, 3)),
+def _mark_dynamic(q: Tensor, k: Tensor, v: Tensor, mask: ContiguousMask, valid: Tensor, packed: bool) -> None:
+    queries = (0,) if packed else (0, 2)
+    for t, dims in ((q, queries), (k, (0, 2)), (v, (0, 2)), (valid, (0, 1)), (mask.q_start, (0,)),
+                    (mask.kv_start, (0,)), (mask.kv_num_blocks, (0, 2)), (mask.kv_indices, (0, 2, 3)),
                     (mask.full_kv_num_blocks, (0, 2)), (mask.full_kv_indices, (0, 2, 3))):
         for dim in dims:
             torch._dynamo.maybe_mark_dynamic(t, dim)
@@ -119,14 +147,45 @@ def contiguous_attention(
     q: Tensor, k: Tensor, v: Tensor, layout: RowLayout, recipe: Recipe, *,
     scale: float | None = None, compile: bool = True, mask: ContiguousMask | None = None,
 ) -> Tensor:
-    """q: [B, H, L, D]; k, v: [B, H_kv, S, D] -> [B, H, L, D]."""
-    mask = mask or build_contiguous_mask(layout, q.shape[2], recipe)
-    fn = _compiled_contiguous_attention if compile else _contiguous_attention
-    if compile:
+    """q: [B, H, L, D]; k, v: [B, H_kv, S, D] -> [B, L, H, D] (contiguous: what HF's attention
+    modules reshape into the o projection's input)."""
+    batch, heads, q_len, dim = q.shape
+    mask = mask or build_contiguous_mask(layout, q_len, recipe)
+    # queries in [B, L, H, D] memory order: the kernel writes its output in the same order,
+    # so the result needs no copy (HF's queries usually are; one memory order, one graph)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    heads_per_kv = heads // k.shape[1] if q_len == 1 else 1
+    if heads_per_kv > 1:
+        q = q.reshape(batch, k.shape[1], heads_per_kv, dim)
+    args = (q, k, v, mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
+            layout.valid, mask.q_start, mask.kv_start, recipe, mask.q_block, heads_per_kv, scale)
+    if torch.compiler.is_compiling():  # inside the user's compiled model: one graph with it
+        out = _contiguous_attention(*args, dict(_traced_kernel_options(q.device)))
+    elif compile:
         torch_patches.install()
-        _mark_dynamic(q, k, v, mask, layout)
-    return call_compiled(
-        fn, q, k, v, mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
-        layout.valid, layout.shift, torch.tensor(layout.q_offset), torch.tensor(layout.kv_offset),
-        recipe, mask.q_block, scale, isa_kernel_options(q.device),
-    )
+        _mark_dynamic(q, k, v, mask, layout.valid, packed=heads_per_kv > 1)
+        out = call_compiled(_compiled_contiguous_attention, *args,
+                            _kernel_options(q.device, torch_patches.tuning_active()))
+    else:
+        out = _contiguous_attention(*args, _kernel_options(q.device, False))
+    return out.reshape(batch, 1, heads, dim) if heads_per_kv > 1 else out.transpose(1, 2)
+
+
+_KERNEL_OPTIONS: dict[tuple[torch.device, bool], dict] = {}
+
+
+def _kernel_options(device: torch.device, tuned: bool) -> dict:
+    """The paged kernels' options (flexpage's tuned CPU template where installed, the ISA)."""
+    if (device, tuned) not in _KERNEL_OPTIONS:
+        _KERNEL_OPTIONS[(device, tuned)] = kernel_options_for(device, None)
+    return _KERNEL_OPTIONS[(device, tuned)]
+
+
+@torch._dynamo.assume_constant_result
+def _traced_kernel_options(device: torch.device) -> tuple[tuple[str, object], ...]:
+    """:func:`_kernel_options`' items for a compiled model's trace, which calls this for real
+    (once, at trace time) and uses the result as a constant. So flexpage's Inductor patches go
+    in before Inductor lowers the model's graph -- without them the CPU template fails on mods
+    that read tensors the graph computes (see :mod:`flexpage.attention._inductor_fix`)."""
+    torch_patches.install()
+    return tuple(_kernel_options(device, torch_patches.tuning_active()).items())

@@ -37,6 +37,9 @@ class FlexpageMask:
     layout: RowLayout
     q_length: int
     _built: dict[Recipe, ContiguousMask] = field(default_factory=dict)  # keyed by recipe object, not name
+    #: HF's mask step treats an ``attention_mask`` whose ``ndim`` is not 2 as already built: ``generate``
+    #: with a static cache builds the step's mask ahead and hands it to the forward
+    ndim = 4
 
     def block_mask(self, recipe: Recipe) -> ContiguousMask:
         if recipe not in self._built:
@@ -56,7 +59,11 @@ def flexpage_mask(
     **kwargs: object,
 ) -> FlexpageMask:
     """HF mask-interface entry: describe padding and offsets, defer the block mask to the layer."""
-    q_offset, kv_offset = int(q_offset), int(kv_offset)
+    if isinstance(attention_mask, FlexpageMask):  # built ahead by ``generate`` for this very step
+        return attention_mask
+    # a static cache gives the query offset as a tensor (no graph break in a compiled model)
+    q_offset = q_offset if isinstance(q_offset, Tensor) else int(q_offset)
+    kv_offset = int(kv_offset)
     if attention_mask is None:
         valid = torch.ones(batch_size, kv_length, dtype=torch.bool, device=device)
         shift = torch.zeros(batch_size, dtype=torch.long, device=device)
@@ -88,13 +95,25 @@ def flexpage_attention_forward(
         attention_mask = flexpage_mask(batch, q_len, kv_len, q_offset=kv_len - q_len, device=query.device)
     if kwargs.get("s_aux") is not None:
         raise ValueError("s_aux: attention sinks are not supported by attn_implementation='flexpage'")
-    recipe = recipe_for(sliding_window, softcap)
+    recipe = _recipe(sliding_window, softcap)
     compile = os.environ.get("FLEXPAGE_COMPILE", "1") != "0"
     out = contiguous_attention(
         query, key, value, attention_mask.layout, recipe, scale=scaling, compile=compile,
         mask=attention_mask.block_mask(recipe),
     )
-    return out.transpose(1, 2).contiguous(), None
+    return out, None
+
+
+_RECIPES: dict[tuple[int | None, float | None], Recipe] = {}
+
+
+def _recipe(sliding_window: int | None, softcap: float | None) -> Recipe:
+    """:func:`recipe_for`, memoised in a plain dict: a compiled model's trace reads it as a
+    constant (Dynamo traces through ``functools`` caches, and warns that it does)."""
+    key = (sliding_window, softcap)
+    if key not in _RECIPES:
+        _RECIPES[key] = recipe_for(sliding_window, softcap)
+    return _RECIPES[key]
 
 
 def register() -> None:
