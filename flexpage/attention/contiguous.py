@@ -147,8 +147,8 @@ def contiguous_attention(
     q: Tensor, k: Tensor, v: Tensor, layout: RowLayout, recipe: Recipe, *,
     scale: float | None = None, compile: bool = True, mask: ContiguousMask | None = None,
 ) -> Tensor:
-    """q: [B, H, L, D]; k, v: [B, H_kv, S, D] -> [B, L, H, D] (contiguous: what HF's attention
-    modules reshape into the o projection's input)."""
+    """q: [B, H, L, D]; k, v: [B, H_kv, S, D] -> [B, L, H, D], what HF's attention modules reshape
+    into the o projection's input (contiguous from the compiled kernel: no copy there)."""
     batch, heads, q_len, dim = q.shape
     mask = mask or build_contiguous_mask(layout, q_len, recipe)
     # queries in [B, L, H, D] memory order: the kernel writes its output in the same order,

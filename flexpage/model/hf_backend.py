@@ -8,11 +8,14 @@ rows' padding and offsets) instead of a dense 4D tensor; the attention function 
 into a block mask once per forward pass and layer kind and reuses it in every layer.
 
 Model features map to recipes through the engine's own mapping
-(:func:`flexpage.model.layer_recipes.recipe_for`): GQA -> ``enable_gqa``; ``sliding_window``
+(:func:`flexpage.model.layer_recipes.recipe_for`): GQA -> ``enable_gqa`` (decode: query heads
+packed per kv head, see :mod:`flexpage.attention.contiguous`); ``sliding_window``
 (Mistral, Gemma2/3 local layers) -> :func:`flexpage.recipes.sliding_window`; ``softcap``
 (Gemma2's ``attn_logit_softcapping``) -> :func:`flexpage.recipes.softcap`.
 
-``FLEXPAGE_COMPILE=0`` runs the same program eagerly (slow; for debugging).
+Each layer's call runs one shared compiled kernel; inside ``torch.compile(model)`` the attention
+is traced into the model's graph instead (docs/hf-backend.md). ``FLEXPAGE_COMPILE=0`` runs the
+same program eagerly (slow; for debugging).
 """
 
 from __future__ import annotations
@@ -108,8 +111,8 @@ _RECIPES: dict[tuple[int | None, float | None], Recipe] = {}
 
 
 def _recipe(sliding_window: int | None, softcap: float | None) -> Recipe:
-    """:func:`recipe_for`, memoised in a plain dict: a compiled model's trace reads it as a
-    constant (Dynamo traces through ``functools`` caches, and warns that it does)."""
+    """:func:`recipe_for`, memoised in a plain dict: once filled, a compiled model's trace reads
+    it as a constant (Dynamo traces through ``functools`` caches, and warns that it does)."""
     key = (sliding_window, softcap)
     if key not in _RECIPES:
         _RECIPES[key] = recipe_for(sliding_window, softcap)
