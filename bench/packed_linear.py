@@ -13,12 +13,12 @@ between the two results. Prints a table; nothing is written.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from bench.throughput import median_ms
 
 #: (output, input) features of SmolLM2-135M's projections; the per-layer ones run 30 times a forward
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -28,14 +28,10 @@ BATCH_HINT = 64
 
 
 def median_us(fn: Callable[[], object], reps: int) -> float:
+    """Median of ``reps`` calls after three warm-up calls (the first builds oneDNN's kernel)."""
     for _ in range(3):
         fn()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e6
+    return median_ms(fn, reps) * 1e3
 
 
 def main() -> None:
