@@ -164,21 +164,22 @@ def contiguous_attention(
     elif compile:
         torch_patches.install()
         _mark_dynamic(q, k, v, mask, layout.valid, packed=heads_per_kv > 1)
-        out = call_compiled(_compiled_contiguous_attention, *args,
-                            _kernel_options(q.device, torch_patches.tuning_active()))
+        out = call_compiled(_compiled_contiguous_attention, *args, _kernel_options(q.device))
     else:
-        out = _contiguous_attention(*args, _kernel_options(q.device, False))
+        out = _contiguous_attention(*args, _kernel_options(q.device))
     return out.reshape(batch, 1, heads, dim) if heads_per_kv > 1 else out.transpose(1, 2)
 
 
 _KERNEL_OPTIONS: dict[tuple[torch.device, bool], dict] = {}
 
 
-def _kernel_options(device: torch.device, tuned: bool) -> dict:
-    """The paged kernels' options (flexpage's tuned CPU template where installed, the ISA)."""
-    if (device, tuned) not in _KERNEL_OPTIONS:
-        _KERNEL_OPTIONS[(device, tuned)] = kernel_options_for(device, None)
-    return _KERNEL_OPTIONS[(device, tuned)]
+def _kernel_options(device: torch.device) -> dict:
+    """The paged kernels' options (flexpage's tuned CPU template where installed, the ISA),
+    one dict per device and patch state."""
+    key = (device, torch_patches.tuning_active())
+    if key not in _KERNEL_OPTIONS:
+        _KERNEL_OPTIONS[key] = kernel_options_for(device, None)
+    return _KERNEL_OPTIONS[key]
 
 
 @torch._dynamo.assume_constant_result
@@ -188,4 +189,4 @@ def _traced_kernel_options(device: torch.device) -> tuple[tuple[str, object], ..
     in before Inductor lowers the model's graph -- without them the CPU template fails on mods
     that read tensors the graph computes (see :mod:`flexpage.attention._inductor_fix`)."""
     torch_patches.install()
-    return tuple(_kernel_options(device, torch_patches.tuning_active()).items())
+    return tuple(_kernel_options(device).items())

@@ -98,7 +98,7 @@ def flexpage_attention_forward(
         attention_mask = flexpage_mask(batch, q_len, kv_len, q_offset=kv_len - q_len, device=query.device)
     if kwargs.get("s_aux") is not None:
         raise ValueError("s_aux: attention sinks are not supported by attn_implementation='flexpage'")
-    recipe = _recipe(sliding_window, softcap)
+    recipe = recipe_for(sliding_window, softcap)
     compile = os.environ.get("FLEXPAGE_COMPILE", "1") != "0"
     out = contiguous_attention(
         query, key, value, attention_mask.layout, recipe, scale=scaling, compile=compile,
@@ -106,17 +106,6 @@ def flexpage_attention_forward(
     )
     return out, None
 
-
-_RECIPES: dict[tuple[int | None, float | None], Recipe] = {}
-
-
-def _recipe(sliding_window: int | None, softcap: float | None) -> Recipe:
-    """:func:`recipe_for`, memoised in a plain dict: once filled, a compiled model's trace reads
-    it as a constant (Dynamo traces through ``functools`` caches, and warns that it does)."""
-    key = (sliding_window, softcap)
-    if key not in _RECIPES:
-        _RECIPES[key] = recipe_for(sliding_window, softcap)
-    return _RECIPES[key]
 
 
 def register() -> None:

@@ -12,7 +12,6 @@ whatever the model's config says.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 from collections.abc import Mapping, Sequence
@@ -33,19 +32,26 @@ __all__ = ["LAYER_KINDS", "RecipeChoice", "engine_recipes", "load_recipe", "mode
            "recipe_for"]
 
 
-@functools.lru_cache(maxsize=None)
+_RECIPES_BY_CHOICE: dict[tuple[int | None, float | None], Recipe] = {}
+
+
 def recipe_for(sliding_window: int | None, softcap: float | None) -> Recipe:
     """The recipe HF's attention keyword arguments ask for (cached: one object per choice, so
-    a model's layers share compiled kernels)."""
-    from flexpage.recipes.sliding_window import sliding_window as window_recipe
-    from flexpage.recipes.softcap import softcap as softcap_recipe
+    a model's layers share compiled kernels). The cache is a plain dict, not ``functools``:
+    the HF backend calls this inside a user's compiled model, whose trace reads a filled dict
+    as a constant (Dynamo traces through ``functools`` caches, and warns that it does)."""
+    key = (sliding_window, softcap)
+    if key not in _RECIPES_BY_CHOICE:
+        from flexpage.recipes.sliding_window import sliding_window as window_recipe
+        from flexpage.recipes.softcap import softcap as softcap_recipe
 
-    parts = [CAUSAL]
-    if sliding_window:
-        parts.append(window_recipe(int(sliding_window)))
-    if softcap:
-        parts.append(softcap_recipe(float(softcap)))
-    return parts[0] if len(parts) == 1 else compose(*parts)
+        parts = [CAUSAL]
+        if sliding_window:
+            parts.append(window_recipe(int(sliding_window)))
+        if softcap:
+            parts.append(softcap_recipe(float(softcap)))
+        _RECIPES_BY_CHOICE[key] = parts[0] if len(parts) == 1 else compose(*parts)
+    return _RECIPES_BY_CHOICE[key]
 
 
 def model_recipes(config: Any) -> tuple[Recipe, ...]:
