@@ -93,6 +93,24 @@ def test_cached_generated_tokens_give_the_bits_of_a_fresh_prefill(engines):
     assert _bits(hit) == _bits(fresh)
 
 
+def test_every_step_of_the_compact_forward_runs_as_one_compiled_graph(engines, alone, monkeypatch):
+    """Deterministic mode keeps the compiled step (HF's modules run layer by layer): a step that
+    fell back to the layer-by-layer path would round differently from the graph."""
+    _, prompt = alone
+    for engine in engines:
+        runner = engine.engine.runner
+        if runner.compact is None:
+            assert runner.compiled_step is None
+            continue
+        executed = []
+        execute = runner.execute
+        monkeypatch.setattr(runner, "execute", lambda inputs: executed.append(inputs) or execute(inputs))
+        before = runner.compiled_step.steps_run
+        engine.generate([prompt, prompt[:50]], GREEDY)  # prefill, mixed (when chunked) and decode steps
+        assert len(executed) >= GREEDY.max_tokens
+        assert runner.compiled_step.steps_run - before == len(executed)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_projection_gives_each_row_the_same_bits_in_any_batch(dtype):
     torch.manual_seed(0)

@@ -43,7 +43,7 @@ from flexpage.attention.kv_pool import KVPool
 from flexpage.attention.paging import AttentionGroup, PagedBatch
 from flexpage.attention.recipe import Recipe
 from flexpage.model.compact import CompactDecoder, rms_norm
-from flexpage.model.packed_linear import PackedLinear, padded_rows
+from flexpage.model.packed_linear import PackedLinear, padded_rows, tiled_linear
 from flexpage.model.tensor_parallel import TensorParallel
 
 __all__ = ["CompiledStep"]
@@ -59,6 +59,9 @@ class _Shape:
     eps: float
     scale: float
     packed: bool  # projections run oneDNN's packed kernel (else F.linear)
+    #: deterministic mode: projections run in calls of exactly this many rows, as eager ones do
+    #: (:func:`~flexpage.model.packed_linear.tiled_linear`); None: one call per projection
+    row_tile: int | None
     qk_norm: bool  # Qwen3: RMSNorm over each head's dims before RoPE
     page_size: int
     pages_per_block: int
@@ -72,18 +75,28 @@ class _Shape:
 class CompiledStep:
     """Runs the steps of a :class:`CompactDecoder` through one compiled graph each."""
 
-    def __init__(self, decoder: CompactDecoder, recipe: Recipe, pool: KVPool, pages_per_block: int) -> None:
+    def __init__(self, decoder: CompactDecoder, recipe: Recipe, pool: KVPool, pages_per_block: int, *,
+                 deterministic: bool = False) -> None:
+        """``deterministic``: steps planned with ``build_paged_batch(deterministic=True)``, run
+        with the deterministic attention kernels and the decoder's row tiles (every projection
+        of the decoder must have one): each row's logits are the same bits in any step."""
         if not torch_patches.install().active:
             raise RuntimeError("the compiled step needs flexpage's Inductor patches (torch_patches.install())")
         self.decoder = decoder
         linears = [linear for layer in decoder.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        linears.append(decoder.lm_head)
         packed = {linear.packed for linear in linears}
         if len(packed) != 1:
             raise ValueError("the compiled step needs every projection packed, or none")
-        options = kernel_options_for(pool.device, None)
+        row_tiles = {linear.row_tile for linear in linears}
+        if len(row_tiles) != 1 or (None in row_tiles) == deterministic:
+            raise ValueError(f"deterministic={deterministic} needs {'every' if deterministic else 'no'} projection "
+                             f"row-tiled; got row tiles {sorted(row_tiles, key=str)}")
+        options = kernel_options_for(pool.device, None, deterministic=deterministic)
         self.shape = _Shape(
             heads=decoder.num_heads, kv_heads=decoder.num_kv_heads, head_dim=decoder.head_dim, eps=decoder.eps,
-            scale=decoder.scale, packed=packed.pop(), qk_norm=decoder.layers[0].q_norm is not None,
+            scale=decoder.scale, packed=packed.pop(), row_tile=row_tiles.pop(),
+            qk_norm=decoder.layers[0].q_norm is not None,
             page_size=pool.block_size, pages_per_block=pages_per_block, recipe=recipe,
             kernel_options=tuple(sorted(options.items())), parallel=decoder.parallel, vocab_size=decoder.vocab_size,
         )
@@ -99,7 +112,7 @@ class CompiledStep:
     @staticmethod
     def accepts(batch: PagedBatch) -> bool:
         """True for a step this graph runs: at most one group of decode rows and one of prefill
-        rows, as the engine plans them outside deterministic mode."""
+        rows, as the engine plans them."""
         kinds = [_kind(group) for group in batch.groups]
         return len(kinds) == len(set(kinds)) and None not in kinds
 
@@ -107,10 +120,10 @@ class CompiledStep:
     def __call__(self, token_ids: Tensor, positions: Tensor, sample_rows: Tensor, batch: PagedBatch) -> Tensor:
         """Logits ``[len(sample_rows), vocab]`` (model dtype) of the step ``batch``."""
         tokens, sampled = token_ids.shape[0], sample_rows.shape[0]
-        rows = padded_rows(tokens)  # the packed linears' bucket: one oneDNN kernel per bucket
+        rows = self._padded_rows(tokens)
         token_ids = F.pad(token_ids, (0, rows - tokens))
         positions = F.pad(positions, (0, rows - tokens))
-        sample_rows = F.pad(sample_rows, (0, padded_rows(sampled) - sampled))
+        sample_rows = F.pad(sample_rows, (0, self._padded_rows(sampled) - sampled))
         cos, sin = self.decoder.rope_tables(positions)
         # the K/V rows to write and their slots, at least two (a lone token's written twice)
         kv_rows = _at_least_two(torch.arange(tokens))
@@ -126,6 +139,12 @@ class CompiledStep:
                                *step_inputs, *plan)
         return logits[:sampled]
 
+    def _padded_rows(self, rows: int) -> int:
+        """The rows a projection computes for ``rows`` inputs: the packed linears' bucket (one
+        oneDNN kernel per bucket), or whole row tiles."""
+        tile = self.shape.row_tile
+        return padded_rows(rows) if tile is None else -(-rows // tile) * tile
+
 
 def _weight_and_bias(linear: PackedLinear) -> tuple[Tensor, Tensor | None]:
     return linear.weight, linear.bias
@@ -134,8 +153,8 @@ def _weight_and_bias(linear: PackedLinear) -> tuple[Tensor, Tensor | None]:
 def _kind(group: AttentionGroup) -> str | None:
     if group.kv_start is None:  # pages of the pool through the page table
         return "decode" if group.q_len == 1 else None
-    if group.kv_slots is not None:
-        return "prefill"
+    if group.kv_slots is not None:  # a gathered copy of the keys: decode rows too in deterministic plans
+        return "gathered_decode" if group.q_len == 1 else "prefill"
     return "row_decode" if group.q_len == 1 else "row_prefill"  # the virtual layout's rows
 
 
@@ -197,9 +216,10 @@ def _row_decode_plan(group: AttentionGroup) -> list[Tensor]:
 def _prefill_plan(group: AttentionGroup) -> list[Tensor]:
     """A prefill group's per-step tensors (as :func:`flexpage.attention.flex._mark_dynamic_gathered`);
     the query gather comes as ``[rows, query length]``, which gives the graph both sizes. In
-    the virtual layout (no gathered copy) the key slots are left out."""
+    the virtual layout (no gathered copy) the key slots are left out. Decode rows over gathered
+    keys (deterministic plans) keep their query length of one: it is not a per-step size."""
     rows = max(group.rows, _MIN_SIZE)
-    q_len = max(group.q_len, _MIN_SIZE * group.q_block)
+    q_len = 1 if group.q_len == 1 else max(group.q_len, _MIN_SIZE * group.q_block)
     q_blocks = q_len // group.q_block
     blocks = [_standard_strides(_pad_to(_pad_to(t, 2, q_blocks), 0, rows)) for t in (
         group.kv_num_blocks, group.kv_indices, group.full_kv_num_blocks, group.full_kv_indices)]
@@ -212,13 +232,14 @@ def _prefill_plan(group: AttentionGroup) -> list[Tensor]:
     dynamic = ((0, 2), (0, 2, 3), (0, 2), (0, 2, 3), (0,), (0,), (0,), (0,), *[(0,)] * len(keys), (0, 1), (0,), (0,))
     for t, dims in zip(plan, dynamic):
         for dim in dims:
-            torch._dynamo.maybe_mark_dynamic(t, dim)
+            if t.shape[dim] > 1:
+                torch._dynamo.maybe_mark_dynamic(t, dim)
     return plan
 
 
-_PLANS = {"decode": _decode_plan, "prefill": _prefill_plan, "row_decode": _row_decode_plan,
-          "row_prefill": _prefill_plan}
-_PLAN_SIZES = {"decode": 12, "prefill": 12, "row_decode": 11, "row_prefill": 11}
+_PLANS = {"decode": _decode_plan, "prefill": _prefill_plan, "gathered_decode": _prefill_plan,
+          "row_decode": _row_decode_plan, "row_prefill": _prefill_plan}
+_PLAN_SIZES = {"decode": 12, "prefill": 12, "gathered_decode": 12, "row_decode": 11, "row_prefill": 11}
 
 
 @functools.cache
@@ -230,6 +251,8 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
     kernel_options = dict(shape.kernel_options)
 
     def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        if shape.row_tile is not None:
+            return tiled_linear(x, weight, bias, shape.packed, shape.row_tile)
         if shape.packed:
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
         return F.linear(x, weight, bias)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["PackedLinear", "can_prepack", "padded_rows", "tiled_rows"]
+__all__ = ["PackedLinear", "can_prepack", "padded_rows", "tiled_linear", "tiled_rows"]
 
 #: the row count oneDNN tunes the packed layout for (a decode batch); any count works
 _BATCH_HINT = 64
@@ -74,6 +74,38 @@ def tiled_rows(matmul: Callable[[Tensor], Tensor], x: Tensor, row_tile: int) -> 
     return out[:rows] if padded != rows else out
 
 
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: bool) -> Tensor:
+    if packed:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def _tiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: bool, row_tile: int) -> Tensor:
+    if x.shape[0] == row_tile:  # one tile: the common decode step, no padding or concatenation
+        return _linear(x, weight, bias, packed)
+    return tiled_rows(lambda rows: _linear(rows, weight, bias, packed), x, row_tile)
+
+
+# A compiled graph cannot loop over a run-time number of tiles, and Inductor would fuse or
+# re-tile a plain matmul: as an operator of its own, the tiled projection stays one opaque
+# call in the graph (registered directly on a Library: ``torch.library.custom_op``'s wrapper
+# cost ~45 us per call on the 2-core machine, this ~15-40 us).
+_LIBRARY = torch.library.Library("flexpage", "DEF")
+_LIBRARY.define("tiled_linear(Tensor x, Tensor weight, Tensor? bias, bool packed, int row_tile) -> Tensor")
+_LIBRARY.impl("tiled_linear", _tiled_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("flexpage::tiled_linear")
+def _tiled_linear_shape(x: Tensor, weight: Tensor, bias: Tensor | None, packed: bool, row_tile: int) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def tiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: bool, row_tile: int) -> Tensor:
+    """``x @ weight.T + bias`` in calls of exactly ``row_tile`` rows (:func:`tiled_rows`), as one
+    operator that ``torch.compile`` keeps whole; ``packed``: ``weight`` is packed for oneDNN."""
+    return torch.ops.flexpage.tiled_linear(x, weight, bias, packed, row_tile)
+
+
 class PackedLinear:
     """``y = x @ weight.T + bias``, with the weight pre-packed where :func:`can_prepack` says so.
 
@@ -92,19 +124,15 @@ class PackedLinear:
     def __call__(self, x: Tensor) -> Tensor:
         """``x``: ``[rows, in_features]`` -> ``[rows, out_features]``."""
         if self.row_tile is not None:
-            return tiled_rows(self._matmul, x, self.row_tile)
+            return _tiled_linear(x, self.weight, self.bias, self.packed, self.row_tile)
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]
         padded = padded_rows(rows)
         x = F.pad(x, (0, 0, 0, padded - rows)) if padded != rows else x.contiguous()
-        out = self._matmul(x)
+        out = _linear(x, self.weight, self.bias, True)
         return out[:rows] if padded != rows else out
 
-    def _matmul(self, x: Tensor) -> Tensor:
-        if not self.packed:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def prime(self, max_rows: int) -> None:
         """Build the kernel of every row bucket up to ``max_rows`` now, not on a request's path."""

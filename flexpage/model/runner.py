@@ -199,7 +199,8 @@ class ModelRunner:
 
         ``compile_step``: steps of the compact forward run as one compiled graph each
         (:class:`~flexpage.model.compiled_step.CompiledStep`) where it applies: compiled,
-        not deterministic, on the CPU, one layer group and one recipe for every layer.
+        on the CPU, one layer group and one recipe for every layer (deterministic too: the
+        graph runs the same row tiles and attention kernels).
 
         ``kv_layout``: ``"paged"``, or ``"virtual"``: the pool is reserved address space backed
         on first write (:class:`~flexpage.attention.virtual_arena.VirtualArena`), every block
@@ -268,8 +269,9 @@ class ModelRunner:
         )
         self.compile = compile
         self.compiled_step = (
-            CompiledStep(self.compact, self.layer_recipes[0], self.pool, blocks_per_attention_block)
-            if compile_step and compile and not deterministic and self.compact is not None
+            CompiledStep(self.compact, self.layer_recipes[0], self.pool, blocks_per_attention_block,
+                         deterministic=deterministic)
+            if compile_step and compile and self.compact is not None
             and self.pool.device.type == "cpu" and len(self.layer_groups) == 1 and len(set(self.layer_recipes)) == 1
             and torch_patches.install().active else None
         )
