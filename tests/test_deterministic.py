@@ -21,7 +21,9 @@ from flexpage import SamplingParams
 from flexpage.attention.flex import FlexRunner
 from flexpage.attention.paging import build_paged_batch
 from flexpage.attention.recipe import CAUSAL
+from flexpage.model import packed_linear
 from flexpage.model.packed_linear import PackedLinear
+from flexpage.model.runner import DETERMINISTIC_ROW_TILE
 
 pytestmark = pytest.mark.usefixtures("kv_blocks_returned")
 
@@ -95,20 +97,27 @@ def test_cached_generated_tokens_give_the_bits_of_a_fresh_prefill(engines):
 
 def test_every_step_of_the_compact_forward_runs_as_one_compiled_graph(engines, alone, monkeypatch):
     """Deterministic mode keeps the compiled step (HF's modules run layer by layer): a step that
-    fell back to the layer-by-layer path would round differently from the graph."""
+    fell back to the layer-by-layer path would round differently from the graph, and so would a
+    graph whose projections were not calls of one row tile. (Which kernel a CPU picks per row
+    count varies: on some CPUs untiled projections give the same bits, so the tiles are
+    checked directly.)"""
     _, prompt = alone
+    linear = packed_linear._linear
     for engine in engines:
         runner = engine.engine.runner
         if runner.compact is None:
             assert runner.compiled_step is None
             continue
-        executed = []
+        executed, projected_rows = [], []
         execute = runner.execute
         monkeypatch.setattr(runner, "execute", lambda inputs: executed.append(inputs) or execute(inputs))
+        monkeypatch.setattr(packed_linear, "_linear", lambda x, *args: projected_rows.append(x.shape[0])
+                            or linear(x, *args))
         before = runner.compiled_step.steps_run
         engine.generate([prompt, prompt[:50]], GREEDY)  # prefill, mixed (when chunked) and decode steps
         assert len(executed) >= GREEDY.max_tokens
         assert runner.compiled_step.steps_run - before == len(executed)
+        assert set(projected_rows) == {DETERMINISTIC_ROW_TILE}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
