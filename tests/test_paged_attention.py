@@ -629,3 +629,19 @@ def test_a_decode_row_skips_pages_its_kv_budget_evicted_and_keeps_true_positions
     with pytest.raises(ValueError, match="its page 1 is the null page 0"):
         build_paged_batch(table, torch.tensor([61]), torch.tensor([3]), page_size=PAGE_SIZE, num_pages=NUM_PAGES,
                           recipe=recipe, evicted_pages=True)
+
+
+def test_gathered_rows_attend_in_float32_where_reduced_precision_kernels_cannot_use_amx(monkeypatch):
+    """bf16/fp16 prefill rows run the float32 kernel on CPUs without AMX (its reduced-precision
+    path there widens every load anyway, and is slower); with AMX, and off the CPU, they keep
+    their dtype. float32 is never changed."""
+    from flexpage.attention import _cpu_template_tuning, flex
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for amx, reduced in ((False, torch.float32), (True, torch.bfloat16)):
+        monkeypatch.setattr(_cpu_template_tuning, "packs_for_amx", lambda dtype, amx=amx: amx)
+        flex.gathered_attention_dtype.cache_clear()
+        assert flex.gathered_attention_dtype(torch.bfloat16, cpu) == reduced
+        assert flex.gathered_attention_dtype(torch.float32, cpu) == torch.float32
+        assert flex.gathered_attention_dtype(torch.bfloat16, cuda) == torch.bfloat16
+    flex.gathered_attention_dtype.cache_clear()

@@ -388,6 +388,18 @@ def _compiles_avx512() -> bool:
     return isinstance(pick_vec_isa(), VecAVX512)
 
 
+def packs_for_amx(dtype: torch.dtype) -> bool:
+    """Whether kernels for ``dtype`` on this CPU run their products on the AMX brgemm over
+    packed K/V (bf16, or fp16 with AMX-FP16, in the AMX code Inductor compiles here).
+    Everywhere else a reduced-precision kernel runs the vector micro-gemm, which widens every
+    load to float32."""
+    from torch._inductor.cpu_vec_isa import VecAMX, pick_vec_isa
+
+    if dtype not in (torch.bfloat16, torch.float16) or not isinstance(pick_vec_isa(), VecAMX):
+        return False
+    return dtype == torch.bfloat16 or torch.cpu._is_amx_fp16_supported()
+
+
 def _is_identity(score_mod: Any) -> bool:
     """Whether a lowered score-mod subgraph returns its score unchanged (flex_attention's default)."""
     graph = getattr(getattr(score_mod, "graph_module", None), "graph", None)

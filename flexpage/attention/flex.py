@@ -192,6 +192,23 @@ def _cpu_vec_isa() -> str:
     return str(cpu_vec_isa.pick_vec_isa())
 
 
+@functools.cache
+def gathered_attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype rows over a gathered copy of their keys attend in (prefill rows; every row
+    of a deterministic plan): ``dtype``, except bf16/fp16 on a CPU whose kernels cannot use
+    AMX (:func:`~flexpage.attention._cpu_template_tuning.packs_for_amx`), where it is float32.
+
+    There the reduced-precision kernel is the vector micro-gemm, which widens every load to
+    float32 and rounds the probabilities back before ``P @ V``; float32 inputs run the tuned
+    template's row-blocked float32 path instead, which ran bf16 prefill rows 1.2-1.7x faster
+    (AMD EPYC with AVX512-BF16, ``bench/prefill.py``). The gather copies the keys anyway, so
+    widening them costs one wider write, and the result is no less exact.
+    """
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+        return dtype
+    return dtype if _cpu_template_tuning.packs_for_amx(dtype) else torch.float32
+
+
 def isa_kernel_options(device: torch.device) -> dict:
     """A kernel option naming the CPU vector ISA Inductor compiles for (empty off the CPU).
 
@@ -366,8 +383,10 @@ class FlexRunner:
         if group.kv_slots is None:
             k, v = k_pool, v_pool
         else:
-            k = k_pool[0].index_select(1, group.kv_slots)[None]  # [1, H_kv, S, D]
-            v = v_pool[0].index_select(1, group.kv_slots)[None]
+            compute = gathered_attention_dtype(q.dtype, q.device)
+            q_group = q_group.to(compute)
+            k = k_pool[0].index_select(1, group.kv_slots)[None].to(compute)  # [1, H_kv, S, D]
+            v = v_pool[0].index_select(1, group.kv_slots)[None].to(compute)
         fn = _compiled_gathered_group_attention if self.compile else _gathered_group_attention
         if self.compile:
             _mark_dynamic_gathered(q_group, k, v, group)
@@ -376,6 +395,7 @@ class FlexRunner:
             group.row_seq, group.q_start, group.seq_len, group.kv_start, self.recipe, group.q_block, group.kv_block,
             self.scale, self._kernel_options(q.device), g,
         )
+        o = o.to(q.dtype)
         if g > 1:
             return o.reshape(rows, heads, dim)
         return o.transpose(1, 2).reshape(rows * q_len, heads, dim)  # a view where the kernel kept q's layout

@@ -38,7 +38,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flexpage.attention import torch_patches
-from flexpage.attention.flex import _gathered_group_attention, _group_attention, call_compiled, kernel_options_for
+from flexpage.attention.flex import (
+    _gathered_group_attention, _group_attention, call_compiled, gathered_attention_dtype, kernel_options_for,
+)
 from flexpage.attention.kv_pool import KVPool
 from flexpage.attention.paging import AttentionGroup, PagedBatch
 from flexpage.attention.recipe import Recipe
@@ -67,6 +69,8 @@ class _Shape:
     pages_per_block: int
     recipe: Recipe
     kernel_options: tuple[tuple[str, object], ...]
+    #: the dtype rows over gathered keys attend in (:func:`~flexpage.attention.flex.gathered_attention_dtype`)
+    gathered_dtype: torch.dtype
     #: tensor parallelism: this rank's group (the graph holds its collectives), None: one process
     parallel: TensorParallel | None = None
     vocab_size: int = 0  # the LM head's real rows (padded for tensor parallelism)
@@ -98,7 +102,8 @@ class CompiledStep:
             scale=decoder.scale, packed=packed.pop(), row_tile=row_tiles.pop(),
             qk_norm=decoder.layers[0].q_norm is not None,
             page_size=pool.block_size, pages_per_block=pages_per_block, recipe=recipe,
-            kernel_options=tuple(sorted(options.items())), parallel=decoder.parallel, vocab_size=decoder.vocab_size,
+            kernel_options=tuple(sorted(options.items())),
+            gathered_dtype=gathered_attention_dtype(pool.dtype, pool.device), parallel=decoder.parallel, vocab_size=decoder.vocab_size,
         )
         self.layer_weights = tuple(
             (layer.input_norm, *_weight_and_bias(layer.qkv), layer.q_norm, layer.k_norm, *_weight_and_bias(layer.o),
@@ -300,14 +305,15 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
         *kv_slots, gather_index, scatter_rows, scatter_tokens = keys_and_rows
         rows, q_len = gather_index.shape
         q = q.index_select(0, gather_index.flatten()).view(rows, q_len, heads, dim).transpose(1, 2)
-        k, v = k_pool, v_pool
+        dtype, k, v = q.dtype, k_pool, v_pool
         if kv_slots:
-            k = k_pool[0].index_select(1, kv_slots[0])[None]
-            v = v_pool[0].index_select(1, kv_slots[0])[None]
+            q = q.to(shape.gathered_dtype)
+            k = k_pool[0].index_select(1, kv_slots[0])[None].to(shape.gathered_dtype)
+            v = v_pool[0].index_select(1, kv_slots[0])[None].to(shape.gathered_dtype)
         out = _gathered_group_attention(
             q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, row_seq, q_start, seq_len,
             kv_start, shape.recipe, q_block, kv_block, shape.scale, kernel_options,
-        )
+        ).to(dtype)
         return out.transpose(1, 2).reshape(rows * q_len, heads * dim).index_select(0, scatter_rows), scatter_tokens
 
     @torch.compiler.nested_compile_region
