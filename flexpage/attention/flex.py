@@ -15,7 +15,8 @@ the logical position of a physical slot.
 Prefill rows (``_gathered_group_attention``) read a copy of their own keys in logical order
 (``AttentionGroup.kv_slots``), so the mods see logical positions directly: the page-table
 lookup per masked (query, key) pair cost as much as the attention (see paging.py). The
-kernel broadcasts kv heads itself; the queries are a view of the flat batch.
+kernel broadcasts kv heads itself; the queries are a view of the flat batch. On CPUs
+without AMX, bf16/fp16 rows attend in float32 (:func:`gathered_attention_dtype`).
 
 Compilation: both functions are wrapped once by ``torch.compile`` (``dynamic=False``, the
 per-step sizes marked dynamic) at module level; the recipe, page size, block sizes and
