@@ -201,8 +201,8 @@ def gathered_attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.
 
     There the reduced-precision kernel is the vector micro-gemm, which widens every load to
     float32 and rounds the probabilities back before ``P @ V``; float32 inputs run the tuned
-    template's row-blocked float32 path instead, which ran bf16 prefill rows 1.2-1.7x faster
-    (AMD EPYC with AVX512-BF16, ``bench/prefill.py``). The gather copies the keys anyway, so
+    template's row-blocked float32 path instead: bf16 prefill rows went from 1.04-1.68x to
+    0.80-1.08x contiguous SDPA's time (AMD EPYC with AVX512-BF16, ``bench/prefill.py``). The gather copies the keys anyway, so
     widening them costs one wider write, and the result is no less exact.
     """
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):

@@ -103,7 +103,8 @@ class CompiledStep:
             qk_norm=decoder.layers[0].q_norm is not None,
             page_size=pool.block_size, pages_per_block=pages_per_block, recipe=recipe,
             kernel_options=tuple(sorted(options.items())),
-            gathered_dtype=gathered_attention_dtype(pool.dtype, pool.device), parallel=decoder.parallel, vocab_size=decoder.vocab_size,
+            gathered_dtype=gathered_attention_dtype(pool.dtype, pool.device),
+            parallel=decoder.parallel, vocab_size=decoder.vocab_size,
         )
         self.layer_weights = tuple(
             (layer.input_norm, *_weight_and_bias(layer.qkv), layer.q_norm, layer.k_norm, *_weight_and_bias(layer.o),
