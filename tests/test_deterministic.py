@@ -147,12 +147,14 @@ def test_a_deterministic_plan_reads_every_row_gathered_in_logical_block_order():
                 assert torch.equal(listed, listed.sort().values)  # ...in logical order
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_tokens_attention_is_the_same_bits_decoded_prefilled_or_batched(dtype):
+@pytest.mark.parametrize(("dtype", "dim"), [(torch.bfloat16, 16), (torch.float32, 16), (torch.float32, 64)])
+def test_a_tokens_attention_is_the_same_bits_decoded_prefilled_or_batched(dtype, dim):
     """The kernel-level promise behind the engine tests: one token's output, as a decode row
-    alone or among others, or as the last row of prefill chunks of any length."""
+    alone or among others, or as the last row of prefill chunks of any length. Head dim 16 is
+    the tiny Llama's; at 64 (SmolLM2's) the CPU micro-gemm would pick its q @ k^T arithmetic by
+    the number of rows it is called for, unless the deterministic kernel fixes it."""
     torch.manual_seed(0)
-    page, pages, heads, kv_heads, dim = 8, 128, 4, 2, 16  # the tiny Llama's heads
+    page, pages, heads, kv_heads = 8, 128, 4, 2
     k_pool = torch.randn(1, kv_heads, pages * page, dim).to(dtype)
     v_pool = torch.randn_like(k_pool)
     runner = FlexRunner(CAUSAL, deterministic=True)

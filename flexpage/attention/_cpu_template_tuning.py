@@ -51,14 +51,24 @@ TUNED_OPTION = "FLEXPAGE_TUNED_CPU_TEMPLATE"
 #: kernel option: every query row computed by the same arithmetic whatever the call's shape (see
 #: :data:`_DETERMINISTIC_EDITS`); only with :data:`TUNED_OPTION`
 DETERMINISTIC_OPTION = "FLEXPAGE_DETERMINISTIC_CPU_TEMPLATE"
-TUNING_VERSION = 15  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
+TUNING_VERSION = 16  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
 # 6: no K/V packing buffers unless packing; 7: only the visited key blocks are packed;
 # 12: float32 prefill micro-gemms block up to 16 rows (8-11: experiments);
-# 13: AVX2 kernels never pack and keep stock micro-gemms; 14-15: deterministic kernels
+# 13: AVX2 kernels never pack and keep stock micro-gemms; 14-15: deterministic kernels;
+# 16: deterministic kernels block rows too
 _MAX_BLOCK_M = 16  # float32 prefill: 8 rows 10-15% slower, 32 no faster
 _MIN_FP32_BLOCKED_ROWS = 16  # decode blocks (1-8 packed query heads) keep one-row blocking in float32
 _STOCK_PV_BRANCH = "          if (!std::is_same_v<scalar_t, at::Half>) {\n            at::native::cpublas::brgemm("
 _TUNED_PV_BRANCH = "          if (false) {  // flexpage: P@V through the micro-gemm\n            at::native::cpublas::brgemm("
+# The float32 micro-gemm computes q @ k^T (a transposed B) one of two ways, picked by the rows
+# of the block it is called for: with 24 x rows <= head_dim (1-2 rows at head_dim 64: a decode
+# row, or the last rows of a prefill query block) each score is a dot product reduced across a
+# vector, otherwise a sum of broadcast multiply-adds in head-dimension order -- other bits for
+# the same row. Deterministic kernels always take the second way (where head_dim is a multiple
+# of the vector width), so they can block rows like the tuned ones: their prefill query blocks
+# ran 1.7-1.8x slower with one-row blocks (bf16 rows here attend in float32).
+_STOCK_TRANSPOSED_CHOICE = "&& 24 * BLOCK_M > K) {"
+_DETERMINISTIC_TRANSPOSED_CHOICE = ") {  // flexpage: deterministic, one way for every row block"
 
 # Text edits of the stock template (each must match exactly once, else nothing is tuned).
 _LEAN_EDITS = (
@@ -286,6 +296,8 @@ def apply() -> bool:
     reduced_template = lean_template.replace(_STOCK_PV_BRANCH, _TUNED_PV_BRANCH)
     if any(reduced_template.count(old) != 1 for old, _ in _DETERMINISTIC_EDITS):
         return False
+    if cpp_micro_gemm.CppMicroGemmFP32Vec.TEMPLATE_KERNEL.count(_STOCK_TRANSPOSED_CHOICE) != 2:
+        return False
     deterministic_template = reduced_template
     for old, new in _DETERMINISTIC_EDITS:
         deterministic_template = deterministic_template.replace(old, new)
@@ -330,14 +342,17 @@ def apply() -> bool:
     stock_micro_gemm_define = template_cls.micro_gemm_define
 
     def micro_gemm_define(self, kernel_name: str) -> str:
-        # deterministic kernels keep one-row blocks: a row-blocked micro-gemm handles a decode
-        # row (one query) with another code path than a full block of prefill rows
-        if not (getattr(self, "flexpage_tuned", False) and _rows_blocked(self)) or self.flexpage_deterministic:
+        if not (getattr(self, "flexpage_tuned", False) and _rows_blocked(self)):
             return stock_micro_gemm_define(self, kernel_name)
         stock_gemm = cpp_micro_gemm.CppMicroGemmFP32Vec
         block_m = max(1, min(int(self.q_block_size), _MAX_BLOCK_M))
+        kernel_text = stock_gemm.TEMPLATE_KERNEL
+        if self.flexpage_deterministic:
+            kernel_text = kernel_text.replace(_STOCK_TRANSPOSED_CHOICE, _DETERMINISTIC_TRANSPOSED_CHOICE)
 
         class RowBlockedGemm(stock_gemm):  # type: ignore[misc, valid-type]
+            TEMPLATE_KERNEL = kernel_text
+
             def __init__(self, name, input_dtype, input2_dtype, output_dtype, compute_dtype, blocking,  # noqa: ANN001
                          *rest) -> None:  # noqa: ANN002
                 blocking = type(blocking)(block_m, blocking.block_n, blocking.block_k)
