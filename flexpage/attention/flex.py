@@ -375,7 +375,7 @@ class FlexRunner:
         """Rows over keys in logical order: a gathered copy, or the pool's rows in place (virtual layout)."""
         rows, q_len, heads, dim = group.rows, group.q_len, q.shape[1], q.shape[2]
         kv_heads = k_pool.shape[1]
-        g = heads // kv_heads if group.kv_slots is None and q_len == 1 else 1  # decode rows pack query heads
+        g = heads // kv_heads if q_len == 1 else 1  # decode rows pack query heads
         q_rows = _contiguous_rows(q) if group.covers_batch_in_order else q.index_select(0, group.gather_index)
         if g > 1:
             q_group = q_rows.view(rows, kv_heads, g, dim)  # [B, H_kv, G, D]: one token per row

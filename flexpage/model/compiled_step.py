@@ -305,7 +305,10 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
         over their rows of the pool in place (virtual layout: no ``kv_slots``)."""
         *kv_slots, gather_index, scatter_rows, scatter_tokens = keys_and_rows
         rows, q_len = gather_index.shape
-        q = q.index_select(0, gather_index.flatten()).view(rows, q_len, heads, dim).transpose(1, 2)
+        q = q.index_select(0, gather_index.flatten())
+        # decode rows over gathered keys (deterministic plans) pack query heads per kv head
+        heads_per_kv = group_size if q_len == 1 else 1
+        q = q.view(rows, kv_heads, group_size, dim) if q_len == 1 else q.view(rows, q_len, heads, dim).transpose(1, 2)
         dtype, k, v = q.dtype, k_pool, v_pool
         if kv_slots:
             q = q.to(shape.gathered_dtype)
@@ -313,9 +316,10 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
             v = v_pool[0].index_select(1, kv_slots[0])[None].to(shape.gathered_dtype)
         out = _gathered_group_attention(
             q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, row_seq, q_start, seq_len,
-            kv_start, shape.recipe, q_block, kv_block, shape.scale, kernel_options,
+            kv_start, shape.recipe, q_block, kv_block, shape.scale, kernel_options, heads_per_kv,
         ).to(dtype)
-        return out.transpose(1, 2).reshape(rows * q_len, heads * dim).index_select(0, scatter_rows), scatter_tokens
+        out = out.reshape(rows, heads * dim) if q_len == 1 else out.transpose(1, 2).reshape(rows * q_len, heads * dim)
+        return out.index_select(0, scatter_rows), scatter_tokens
 
     @torch.compiler.nested_compile_region
     def attention_inputs(hidden: Tensor, cos: Tensor, sin: Tensor, input_norm: Tensor, qkv_w: Tensor,
