@@ -179,6 +179,42 @@ def test_a_tokens_attention_is_the_same_bits_decoded_prefilled_or_batched(dtype,
     assert torch.equal(output([other, table], [300, length], [1, 200], 200), reference)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_decode_row_reading_aligned_runs_in_place_gets_the_bits_of_a_gathered_row(dtype):
+    """Deterministic decode rows whose logical key blocks are aligned runs of the pool read it
+    in place (no gathered copy): a token's output equals the same token prefilled over a
+    gathered copy, or decoded beside a row that forces the copy."""
+    torch.manual_seed(0)
+    page, run, pages, heads, kv_heads, dim = 8, 16, 256, 9, 3, 64  # 128-token key blocks, SmolLM2's heads
+    k_pool = torch.randn(1, kv_heads, pages * page, dim).to(dtype)
+    v_pool = torch.randn_like(k_pool)
+    runner = FlexRunner(CAUSAL, deterministic=True)
+    length = 300
+    aligned = list(range(3 * run, 3 * run + run)) + list(range(7 * run, 7 * run + run)) + list(range(5 * run, 5 * run + 6))
+    scattered = [2 * run + 1, 2 * run + 3] + list(range(10 * run, 10 * run + 20))  # not runs from a block start
+    query = torch.randn(heads, dim).to(dtype)
+
+    def plan(tables: list[list[int]], seq_lens: list[int], query_lens: list[int]):  # noqa: ANN202
+        width = max(map(len, tables))
+        return build_paged_batch(torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(seq_lens),
+                                 torch.tensor(query_lens), page_size=page, num_pages=pages, recipe=CAUSAL,
+                                 pages_per_block=run, deterministic=True, deterministic_in_place=True)
+
+    def output(batch, row: int) -> torch.Tensor:  # noqa: ANN001
+        q = torch.randn(batch.num_tokens, heads, dim).to(dtype)
+        q[row] = query
+        return runner(q, k_pool, v_pool, batch)[row]
+
+    in_place = plan([aligned, aligned[:30]], [length, 200], [1, 1])
+    assert [g.kv_slots is None for g in in_place.groups] == [True]
+    reference = output(in_place, 0)
+    gathered = plan([aligned, scattered], [length, 170], [1, 1])
+    assert [g.kv_slots is not None for g in gathered.groups] == [True]
+    assert torch.equal(output(gathered, 0), reference)
+    assert torch.equal(output(plan([aligned], [length], [37]), 36), reference)
+    assert torch.equal(output(plan([scattered, aligned], [170, length], [1, 200]), 200), reference)
+
+
 def test_deterministic_attention_without_the_tuned_template_is_refused(monkeypatch):
     from flexpage.attention import flex, torch_patches
 

@@ -51,11 +51,11 @@ TUNED_OPTION = "FLEXPAGE_TUNED_CPU_TEMPLATE"
 #: kernel option: every query row computed by the same arithmetic whatever the call's shape (see
 #: :data:`_DETERMINISTIC_EDITS`); only with :data:`TUNED_OPTION`
 DETERMINISTIC_OPTION = "FLEXPAGE_DETERMINISTIC_CPU_TEMPLATE"
-TUNING_VERSION = 16  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
+TUNING_VERSION = 17  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
 # 6: no K/V packing buffers unless packing; 7: only the visited key blocks are packed;
 # 12: float32 prefill micro-gemms block up to 16 rows (8-11: experiments);
 # 13: AVX2 kernels never pack and keep stock micro-gemms; 14-15: deterministic kernels;
-# 16: deterministic kernels block rows too
+# 16-17: deterministic kernels block rows too
 _MAX_BLOCK_M = 16  # float32 prefill: 8 rows 10-15% slower, 32 no faster
 _MIN_FP32_BLOCKED_ROWS = 16  # decode blocks (1-8 packed query heads) keep one-row blocking in float32
 _STOCK_PV_BRANCH = "          if (!std::is_same_v<scalar_t, at::Half>) {\n            at::native::cpublas::brgemm("
@@ -342,7 +342,10 @@ def apply() -> bool:
     stock_micro_gemm_define = template_cls.micro_gemm_define
 
     def micro_gemm_define(self, kernel_name: str) -> str:
-        if not (getattr(self, "flexpage_tuned", False) and _rows_blocked(self)):
+        # deterministic kernels block rows wherever tuned ones may, whatever the query block: a
+        # decode row must get the arithmetic of the same token's row in a prefill block
+        blocked = _rows_blocked(self) or (getattr(self, "flexpage_deterministic", False) and _compiles_avx512())
+        if not (getattr(self, "flexpage_tuned", False) and blocked):
             return stock_micro_gemm_define(self, kernel_name)
         stock_gemm = cpp_micro_gemm.CppMicroGemmFP32Vec
         block_m = max(1, min(int(self.q_block_size), _MAX_BLOCK_M))

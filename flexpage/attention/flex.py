@@ -194,7 +194,7 @@ def _cpu_vec_isa() -> str:
 
 
 @functools.cache
-def gathered_attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+def gathered_attention_dtype(dtype: torch.dtype, device: torch.device, deterministic: bool = False) -> torch.dtype:
     """The dtype rows over a gathered copy of their keys attend in (prefill rows; every row
     of a deterministic plan): ``dtype``, except bf16/fp16 on a CPU whose kernels cannot use
     AMX (:func:`~flexpage.attention._cpu_template_tuning.packs_for_amx`), where it is float32.
@@ -204,10 +204,23 @@ def gathered_attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.
     template's row-blocked float32 path instead: bf16 prefill rows went from 1.04-1.68x to
     0.80-1.08x contiguous SDPA's time (AMD EPYC with AVX512-BF16, ``bench/prefill.py``). The gather copies the keys anyway, so
     widening them costs one wider write, and the result is no less exact.
+
+    ``deterministic``: always ``dtype``. Deterministic decode rows read the pool in place
+    where they can (``build_paged_batch(deterministic_in_place=True)``), and must compute as
+    the same token's row over a gathered copy does.
     """
-    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+    if deterministic or device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
         return dtype
     return dtype if _cpu_template_tuning.packs_for_amx(dtype) else torch.float32
+
+
+@functools.cache
+def deterministic_decode_in_place(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether deterministic plans let aligned decode rows read the pool in place
+    (``build_paged_batch(deterministic_in_place=True)``): on CPUs whose kernels for ``dtype``
+    do not pack K/V for AMX. A packing kernel over the pool in place is untried in
+    deterministic mode (no AMX machine was at hand), so there decode rows keep the gathered copy."""
+    return device.type == "cpu" and not _cpu_template_tuning.packs_for_amx(dtype)
 
 
 def isa_kernel_options(device: torch.device) -> dict:
@@ -384,7 +397,7 @@ class FlexRunner:
         if group.kv_slots is None:
             k, v = k_pool, v_pool
         else:
-            compute = gathered_attention_dtype(q.dtype, q.device)
+            compute = gathered_attention_dtype(q.dtype, q.device, self.deterministic)
             q_group = q_group.to(compute)
             k = k_pool[0].index_select(1, group.kv_slots)[None].to(compute)  # [1, H_kv, S, D]
             v = v_pool[0].index_select(1, group.kv_slots)[None].to(compute)

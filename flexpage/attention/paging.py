@@ -126,6 +126,7 @@ def build_paged_batch(
     deterministic: bool = False,
     evicted_pages: bool = False,
     contiguous_rows: bool = False,
+    deterministic_in_place: bool = False,
 ) -> PagedBatch:
     """Plan one step of paged attention.
 
@@ -153,6 +154,14 @@ def build_paged_batch(
     blocks in logical order, all as partial blocks. The kernel visits partial blocks before
     full ones, and its online softmax rounds differently when the order changes: a decode row
     sees its last block whole, the same token inside a prefill query block sees it partly.
+
+    ``deterministic_in_place``: in a deterministic plan, decode rows read the pool in place
+    when each of their logical key blocks is one aligned run of pages in order (what the
+    allocator hands a sequence that shares no prefix) and the kernel's key block is the
+    gathered rows' (``pages_per_block * page_size == PREFILL_KV_BLOCK``): the same keys at the
+    same offsets in the same blocks, visited in logical order, without the per-layer copy. The
+    caller sets it where its kernels compute a row alike from the pool or from a copy (same
+    dtype, no packing of K/V for AMX); if any decode row is not aligned, all are gathered.
 
     ``evicted_pages``: decode rows may hold the null page anywhere before their new token --
     blocks a KV budget evicted (:mod:`flexpage.core.eviction`); they read the pool in place
@@ -194,8 +203,11 @@ def build_paged_batch(
     is_decode = query_lens_n == 1
     threads = torch.get_num_threads() if num_threads is None else num_threads
     groups = []
-    decode_q_block = PREFILL_Q_BLOCK if deterministic else DECODE_Q_BLOCK
-    # decode rows read the pool in place (gathered too when deterministic), prefill rows a gathered copy
+    decode_in_place = not deterministic or (
+        deterministic_in_place and pages_per_block * page_size == PREFILL_KV_BLOCK
+        and _aligned_runs(tables[is_decode], seq_lens_n[is_decode], page_size, pages_per_block))
+    decode_q_block = DECODE_Q_BLOCK if decode_in_place else PREFILL_Q_BLOCK
+    # decode rows read the pool in place (gathered too when deterministic, unless aligned), prefill rows a gathered copy
     for mask, q_block in ((is_decode, decode_q_block), (~is_decode, PREFILL_Q_BLOCK)):
         rows = np.flatnonzero(mask)
         if rows.size == 0:
@@ -368,7 +380,10 @@ def _build_group(
         kv_lo = (np.arange(width) * page_size)[None, None, :]
         may, every = verdicts(kv_lo, kv_lo + page_size - 1)
         may = may & (table != 0)[:, None, :]  # pages a sliding window released
-        partial, full, block_ids = _kernel_blocks(may, every & may, table, pages_per_block)
+        if all_partial:  # deterministic: aligned runs (see _aligned_runs), listed in logical order
+            partial, full, block_ids = _logical_blocks(may, table, pages_per_block)
+        else:
+            partial, full, block_ids = _kernel_blocks(may, every & may, table, pages_per_block)
     # the kernel wants index rows as wide as its key-block count; entries past the counts are never read
     (kv_num_blocks, kv_indices), (full_kv_num_blocks, full_kv_indices) = _compact(
         partial, full, block_ids, num_blocks)
@@ -450,6 +465,28 @@ def _kernel_blocks(
 
 
 _NO_BLOCK = np.iinfo(np.int64).max  # sorts after every real block id
+
+
+def _aligned_runs(tables: np.ndarray, seq_lens: np.ndarray, page_size: int, pages_per_block: int) -> bool:
+    """Whether each row's logical pages ``j*R .. j*R+R-1`` in use are the pages of one aligned
+    run ``r*R ..`` in order: then logical key block ``j`` is kernel block ``r``, slot for slot."""
+    pages = np.arange(tables.shape[1])
+    in_use = pages[None, :] < -(-seq_lens // page_size)[:, None]
+    first = tables[:, pages // pages_per_block * pages_per_block]  # the page each block's run starts with
+    aligned = (tables == first + pages % pages_per_block) & (first % pages_per_block == 0) & (tables != 0)
+    return bool((aligned | ~in_use).all())
+
+
+def _logical_blocks(may: np.ndarray, table: np.ndarray, pages_per_block: int,
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Page verdicts ``[B, M, J]`` of rows in aligned runs -> kernel blocks in logical order:
+    partial ``[B, M, K]`` (every listed block), full (none), ids ``[B, K]``."""
+    num_rows, num_q, width = may.shape
+    blocks = -(-width // pages_per_block)
+    pad = blocks * pages_per_block - width
+    may = np.pad(may, ((0, 0), (0, 0), (0, pad))).reshape(num_rows, num_q, blocks, pages_per_block).any(-1)
+    ids = table[:, ::pages_per_block] // pages_per_block
+    return may, np.zeros_like(may), ids
 
 
 def _compact(

@@ -103,7 +103,7 @@ class CompiledStep:
             qk_norm=decoder.layers[0].q_norm is not None,
             page_size=pool.block_size, pages_per_block=pages_per_block, recipe=recipe,
             kernel_options=tuple(sorted(options.items())),
-            gathered_dtype=gathered_attention_dtype(pool.dtype, pool.device),
+            gathered_dtype=gathered_attention_dtype(pool.dtype, pool.device, deterministic),
             parallel=decoder.parallel, vocab_size=decoder.vocab_size,
         )
         self.layer_weights = tuple(

@@ -43,7 +43,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flexpage.attention import torch_patches
-from flexpage.attention.flex import FlexRunner, check_deterministic_supported, raised_compile_limits
+from flexpage.attention.flex import (
+    FlexRunner, check_deterministic_supported, deterministic_decode_in_place, raised_compile_limits,
+)
 from flexpage.attention.kv_pool import KVPool, block_slots
 from flexpage.attention.paging import PagedBatch, build_paged_batch, next_power_of_two, token_positions
 from flexpage.attention.recipe import Recipe, offset_heads
@@ -113,6 +115,7 @@ class PagedStep:
                 page_size=self.pool.block_size, num_pages=self.pool.num_blocks, recipe=recipe,
                 pages_per_block=self.pages_per_block, deterministic=self.deterministic,
                 evicted_pages=self.evicted_pages, contiguous_rows=self.contiguous_rows,
+                deterministic_in_place=deterministic_decode_in_place(self.pool.dtype, self.pool.device),
             )
         return self.batches[key]
 
