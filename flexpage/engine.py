@@ -13,6 +13,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Union
 
 import torch
@@ -280,7 +281,8 @@ class LLMEngine:
         prefix cache (every block back in the pool).
 
         With the compiled step (``runner.compiled_step``) that is three graphs: one prefill,
-        one decode and one mixed step build them. Otherwise, layer by layer:
+        one decode and one mixed step build them (deterministic mode adds two: decode rows over
+        a gathered copy of their keys, alone and beside a prefill). Otherwise, layer by layer:
 
         The compiled kernel specialises on the prefill query block and on one-row groups, so
         every length bucket runs once alone and once as a pair (each also decodes a token alone
@@ -296,7 +298,7 @@ class LLMEngine:
         def ids(first: int, count: int) -> list[int]:  # distinct token ids, valid for any vocabulary
             return [(first + j) % self.vocab_size for j in range(count)]
 
-        if self.runner.compiled_step is not None:  # three graphs: a prefill, a decode and a mixed step
+        if self.runner.compiled_step is not None:  # a prefill, a decode and a mixed step
             params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
             self.add_request({"prompt_token_ids": ids(10, 5)}, params, "warmup-0")
             self.add_request({"prompt_token_ids": ids(20, 40)}, params, "warmup-1")
@@ -305,6 +307,8 @@ class LLMEngine:
             self.add_request({"prompt_token_ids": ids(100, 30)}, params, "warmup-2")
             self._run_to_completion()
             self.reset_prefix_cache()
+            if self.config.deterministic:
+                self._warm_up_gathered_decode(ids)
             self._measure_recompute_cost()
             return time.perf_counter() - start
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
@@ -370,6 +374,21 @@ class LLMEngine:
         """The tiers' cost of recomputing the block at logical index ``position`` (1.0: a block
         with no context before it)."""
         return 1.0 + (position + 0.5) * self.config.block_size * self.recompute_cost_slope
+
+    def _warm_up_gathered_decode(self, ids: Callable[[int, int], list[int]]) -> None:
+        """Deterministic mode's two other graphs: decode rows read a gathered copy of their keys
+        when one shares a cached prefix but not its run (``build_paged_batch(deterministic_in_place=)``),
+        alone and beside a prefill."""
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        page = self.config.block_size
+        self.add_request({"prompt_token_ids": ids(200, page + 4)}, params, "warmup-3")
+        self.step()  # its first block is full, computed and cached; the run goes on with the next
+        self.add_request({"prompt_token_ids": ids(200, page) + ids(300, 4)}, params, "warmup-4")
+        self.step()  # the sharer's own block lands in another run
+        self.step()  # decode rows, gathered
+        self.add_request({"prompt_token_ids": ids(400, 30)}, params, "warmup-5")
+        self._run_to_completion()  # gathered decode rows beside a prefill
+        self.reset_prefix_cache()
 
     def _run_to_completion(self) -> None:
         while self.has_unfinished_requests():

@@ -567,15 +567,17 @@ def test_warm_up_leaves_the_engine_idle_with_every_block_back(vocab_size, tiny_m
     assert stats.used == 0 and stats.cached == 0 and stats.free == stats.total - 1, stats  # block 0: the null block
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
-def test_after_warm_up_batched_prompts_of_any_length_compile_nothing(tiny_model, llm_factory, deterministic):
+@pytest.mark.parametrize(("deterministic", "dtype"), [(False, "float32"), (True, "float32"), (True, "bfloat16")],
+                         ids=["default", "deterministic", "deterministic-bf16"])
+def test_after_warm_up_batched_prompts_of_any_length_compile_nothing(tiny_model, llm_factory, deterministic, dtype):
     """The server's first batched requests must not pay for a compile (issue 18: a first
     2-prompt request took 9.6 s): after ``warm_up``, batches of 1-4 prompts of lengths from 1
     to past the pool's key block, with and without a shared prefix, run compiled kernels only
-    -- in deterministic mode too, whose plans differ (decode rows over gathered keys)."""
+    -- in deterministic mode too, whose plans differ (decode rows over gathered keys, and in
+    bf16 over the pool in place where their runs allow)."""
     from torch._dynamo.utils import counters
 
-    llm = llm_factory(tiny_model("llama"), num_blocks=128, compile=True, deterministic=deterministic)
+    llm = llm_factory(tiny_model("llama"), num_blocks=128, compile=True, deterministic=deterministic, dtype=dtype)
     llm.engine.warm_up()
     compiled = counters["stats"]["unique_graphs"]
     assert compiled > 0  # the warm-up compiled (the counter counts what this test is about)
