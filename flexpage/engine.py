@@ -12,8 +12,8 @@ import logging
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 import torch

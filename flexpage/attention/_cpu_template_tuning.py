@@ -66,7 +66,7 @@ _TUNED_PV_BRANCH = "          if (false) {  // flexpage: P@V through the micro-g
 # vector, otherwise a sum of broadcast multiply-adds in head-dimension order -- other bits for
 # the same row. Deterministic kernels always take the second way (where head_dim is a multiple
 # of the vector width), so they can block rows like the tuned ones: their prefill query blocks
-# ran 1.7-1.8x slower with one-row blocks (bf16 rows here attend in float32).
+# ran 1.7-1.8x slower with one-row blocks (float32 rows, AMD EPYC).
 _STOCK_TRANSPOSED_CHOICE = "&& 24 * BLOCK_M > K) {"
 _DETERMINISTIC_TRANSPOSED_CHOICE = ") {  // flexpage: deterministic, one way for every row block"
 

@@ -150,10 +150,11 @@ def build_paged_batch(
 
     ``deterministic`` plans every row so that its output does not depend on the rest of the
     batch (the engine's deterministic mode; run with ``FlexRunner(deterministic=True)``): decode
-    rows read gathered keys with the prefill rows' query block, and each row visits its key
-    blocks in logical order, all as partial blocks. The kernel visits partial blocks before
-    full ones, and its online softmax rounds differently when the order changes: a decode row
-    sees its last block whole, the same token inside a prefill query block sees it partly.
+    rows read gathered keys with the prefill rows' query block (or the pool in place, see
+    ``deterministic_in_place``), and each row visits its key blocks in logical order, all as
+    partial blocks. The kernel visits partial blocks before full ones, and its online softmax
+    rounds differently when the order changes: a decode row sees its last block whole, the
+    same token inside a prefill query block sees it partly.
 
     ``deterministic_in_place``: in a deterministic plan, decode rows read the pool in place
     when each of their logical key blocks is one aligned run of pages in order (what the
