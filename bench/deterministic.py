@@ -93,7 +93,8 @@ def main() -> None:
     p.add_argument("--kernels", action="store_true", help="time one layer's attention call per plan instead")
     p.add_argument("--reps", type=int, default=31, help="--kernels: timed calls per mode and case")
     p.add_argument("--out", type=Path, default=None,
-                   help="JSON results (default bench/results/deterministic.json, with --kernels deterministic-kernels.json)")
+                   help="JSON results (default bench/results/deterministic.json; "
+                        "with --kernels, deterministic-kernels.json)")
     args = p.parse_args()
     if args.kernels:
         time_kernels(args.reps, args.out or Path("bench/results/deterministic-kernels.json"))

@@ -190,8 +190,8 @@ def test_a_decode_row_reading_aligned_runs_in_place_gets_the_bits_of_a_gathered_
     v_pool = torch.randn_like(k_pool)
     runner = FlexRunner(CAUSAL, deterministic=True)
     length = 300
-    aligned = list(range(3 * run, 3 * run + run)) + list(range(7 * run, 7 * run + run)) + list(range(5 * run, 5 * run + 6))
-    scattered = [2 * run + 1, 2 * run + 3] + list(range(10 * run, 10 * run + 20))  # not runs from a block start
+    aligned = [*range(3 * run, 4 * run), *range(7 * run, 8 * run), *range(5 * run, 5 * run + 6)]  # runs 3, 7, 5
+    scattered = [2 * run + 1, 2 * run + 3, *range(10 * run, 10 * run + 20)]  # not runs from a block start
     query = torch.randn(heads, dim).to(dtype)
 
     def plan(tables: list[list[int]], seq_lens: list[int], query_lens: list[int]):  # noqa: ANN202

@@ -194,7 +194,8 @@ def _cpu_vec_isa() -> str:
 
 
 @functools.cache
-def gathered_attention_dtype(dtype: torch.dtype, device: torch.device, deterministic: bool = False) -> torch.dtype:
+def gathered_attention_dtype(dtype: torch.dtype, device: torch.device,
+                             deterministic: bool = False) -> torch.dtype:
     """The dtype rows over a gathered copy of their keys attend in (prefill rows; in a
     deterministic plan, decode rows outside aligned runs too): ``dtype``, except bf16/fp16 on a CPU whose kernels cannot use
     AMX (:func:`~flexpage.attention._cpu_template_tuning.packs_for_amx`), where it is float32.
