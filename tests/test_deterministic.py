@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from flexpage import SamplingParams
-from flexpage.attention.flex import FlexRunner
+from flexpage.attention.flex import FlexRunner, deterministic_decode_in_place
 from flexpage.attention.paging import build_paged_batch
 from flexpage.attention.recipe import CAUSAL
 from flexpage.model import packed_linear
@@ -184,6 +184,8 @@ def test_a_decode_row_reading_aligned_runs_in_place_gets_the_bits_of_a_gathered_
     """Deterministic decode rows whose logical key blocks are aligned runs of the pool read it
     in place (no gathered copy): a token's output equals the same token prefilled over a
     gathered copy, or decoded beside a row that forces the copy."""
+    if not deterministic_decode_in_place(dtype, torch.device("cpu")):
+        pytest.skip(f"the engine keeps {dtype} decode rows gathered on this CPU (its kernels pack K/V for AMX)")
     torch.manual_seed(0)
     page, run, pages, heads, kv_heads, dim = 8, 16, 256, 9, 3, 64  # 128-token key blocks, SmolLM2's heads
     k_pool = torch.randn(1, kv_heads, pages * page, dim).to(dtype)
