@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from shadow_kv import ShadowKV
 
-from flexpage.core import BlockManager, NoFreeBlocksError, Sequence
+from flexpage.core import BlockManager, BlockPool, NoFreeBlocksError, Sequence
 from flexpage.core.kv_tiers import KVTiers
 from flexpage.core.layer_groups import blocks_out_of_window
 
@@ -92,6 +92,58 @@ def test_runs_fall_back_to_loose_blocks_when_no_run_is_whole() -> None:
     bm.free(first)
     bm.free(second)
     assert bm.pool.num_free == 7 and bm.pool.num_free_runs == 1
+
+
+def _pool_of_cached_runs(*owners_of_blocks_in_use: int) -> tuple[BlockPool, list[int]]:
+    """Runs of 4: run 0 (blocks 1-3) free, runs 1 (4-7) and 2 (8-11) filled and released, run 1
+    first, all blocks cached -- except that sequence ``i`` in ``owners_of_blocks_in_use`` keeps
+    its first block in use."""
+    pool, evicted = BlockPool(12, run_length=4), []
+    pool.on_evict = lambda block_id, _hash: evicted.append(block_id)
+    for run in (1, 2):
+        blocks = [pool.allocate()] + [None] * 3
+        for i in range(1, 4):
+            blocks[i] = pool.allocate(after=blocks[i - 1])
+        assert blocks == list(range(4 * run, 4 * run + 4))
+        for block in blocks:
+            pool.set_hash(block, f"run {run} block {block}".encode())
+        for block in blocks[1 if run in owners_of_blocks_in_use else 0:]:
+            pool.decref(block)
+    return pool, evicted
+
+
+def test_a_new_sequence_in_a_full_pool_takes_the_least_recently_released_idle_run_whole() -> None:
+    """No wholly free run is left; the new sequence evicts every cached block of run 1 (the
+    older idle run) and fills it, rather than scattering over run 0's loose free blocks or
+    over single LRU evictions; run 2's cache stays."""
+    pool, evicted = _pool_of_cached_runs()
+    assert pool.num_free_runs == 0 and pool.num_free == 3
+    first = pool.allocate()
+    assert first == 4 and evicted == [4, 5, 6, 7] and pool.num_evictions == 4
+    assert [pool.allocate(after=b) for b in (4, 5, 6)] == [5, 6, 7]
+    assert all(pool.lookup(f"run 1 block {b}".encode()) is None for b in range(4, 8))
+    assert [pool.lookup(f"run 2 block {b}".encode()) for b in range(8, 12)] == [8, 9, 10, 11]
+    assert pool.num_cached == 4 and pool.num_free == 3
+
+
+def test_a_run_with_a_block_in_use_is_never_reclaimed_whole() -> None:
+    pool, evicted = _pool_of_cached_runs(1)  # run 1's first block is still in use
+    assert pool.allocate() == 8 and evicted == [8, 9, 10, 11]
+    assert pool.lookup(b"run 1 block 5") == 5  # run 1's cached blocks stay
+
+
+def test_a_revived_block_makes_its_run_busy_and_its_release_makes_it_the_newest_idle_run() -> None:
+    pool, evicted = _pool_of_cached_runs()
+    pool.incref(4)  # a prefix hit on run 1
+    assert pool.allocate() == 8 and evicted == [8, 9, 10, 11]
+    pool.decref(4)
+    assert pool.allocate() == 4 and evicted[4:] == [4, 5, 6, 7]
+
+
+def test_without_idle_runs_a_full_pool_falls_back_to_loose_blocks_then_lru_blocks() -> None:
+    pool, evicted = _pool_of_cached_runs(1, 2)
+    assert [pool.allocate() for _ in range(3)] == [1, 2, 3]  # run 0's loose blocks
+    assert pool.allocate() == 5 and evicted == [5]  # then the LRU cached block
 
 
 def test_prefix_hit_across_requests() -> None:

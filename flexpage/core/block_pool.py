@@ -13,14 +13,21 @@ Block 0 is the NULL block: never handed out, never counted. Padding entries in
 block tables point at it, so a stray read through padding hits harmless memory.
 
 Allocation prefers free blocks and only then evicts cached ones, so a warm
-prefix cache survives for as long as the pool has slack.
+prefix cache survives for as long as the pool has slack (with runs, an idle run's cached
+blocks go before loose free blocks: see below).
 
 **Runs.** Blocks ``r*R .. r*R+R-1`` form run ``r`` (``run_length`` R). The attention
 kernel reads a run as one key block, and pays per key block it visits, so a sequence
 should fill whole runs: :meth:`BlockPool.allocate` continues the caller's run when the
-next block is free and otherwise starts a wholly free run, falling back to any free
-block (placement only affects speed, never correctness). This is vAttention's point --
-attention wants contiguous KV -- kept within PagedAttention's small blocks.
+next block is free and otherwise starts a wholly free run. When none is left -- a pool
+that has served for a while is full of cached blocks -- it takes the least recently
+released *idle* run (no block in use, some cached), evicting that run's cached blocks
+together, and only then falls back to loose free blocks and single LRU evictions
+(placement only affects speed, never correctness). Without idle runs, a full pool
+scattered every new sequence over blocks of other runs: on the 48-prompt workload
+throughput fell from ~215 to 129-156 tok/s once the cache had filled the pool
+(``bench/pool_reuse.py``). This is vAttention's point -- attention wants contiguous KV --
+kept within PagedAttention's small blocks.
 """
 
 from __future__ import annotations
@@ -84,6 +91,11 @@ class BlockPool:
         self._run_free = [0] * num_runs
         self._free_runs: OrderedDict[int, None] = OrderedDict()
         self._loose: OrderedDict[int, None] = OrderedDict()
+        # per run: blocks in use and cached blocks; idle runs (none in use, some cached, never
+        # run 0, which holds the null block), least recently released first
+        self._run_used = [0] * num_runs
+        self._run_cached = [0] * num_runs
+        self._idle_runs: OrderedDict[int, None] = OrderedDict()
         for block_id in range(1, num_blocks):
             self._release(block_id)
         # ref-0 hashed blocks, least recently released first.
@@ -157,37 +169,56 @@ class BlockPool:
     def _run_blocks(self, run: int) -> range:
         return range(run * self.run_length, min((run + 1) * self.run_length, self.num_blocks))
 
+    def _evict(self, block_id: int) -> None:
+        """Drop a cached block's hash (it is then neither cached nor free: the caller decides)."""
+        del self._cached[block_id]
+        block_hash = self._hash[block_id]
+        del self._by_hash[block_hash]  # type: ignore[arg-type]
+        self._hash[block_id] = None
+        self._run_cached[block_id // self.run_length] -= 1
+        self.num_evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(block_id, block_hash)  # type: ignore[arg-type]
+
+    def _reclaim_idle_run(self) -> int:
+        """Evict every cached block of the least recently released idle run; returns the run,
+        now wholly free."""
+        run, _ = self._idle_runs.popitem(last=False)
+        for block_id in self._run_blocks(run):
+            if block_id in self._cached:
+                self._evict(block_id)
+                self._release(block_id)
+        return run
+
     # -- transitions ---------------------------------------------------------
     def allocate(self, after: int | None = None) -> int:
         """A fresh block with ref count 1.
 
         ``after`` is the block that precedes the new one in the caller's block table:
         its successor is taken when free and in the same run. Otherwise the first block
-        of a wholly free run, else any free block, else the LRU cached block is evicted.
+        of a wholly free run, else of the least recently released idle run (its cached
+        blocks evicted), else any free block, else the LRU cached block is evicted.
         """
         nxt = None if after is None else after + 1
         if nxt is not None and nxt % self.run_length and nxt < self.num_blocks and self.is_free(nxt):
             block_id = nxt
             self._take(block_id)
-        elif self._free_runs:
-            run = next(iter(self._free_runs))
+        elif self._free_runs or self._idle_runs:
+            run = next(iter(self._free_runs)) if self._free_runs else self._reclaim_idle_run()
             block_id = max(run * self.run_length, 1)
             self._take(block_id)
         elif self._loose:
             block_id = next(iter(self._loose))
             self._take(block_id)
         elif self._cached:
-            block_id, _ = self._cached.popitem(last=False)
-            block_hash = self._hash[block_id]
-            del self._by_hash[block_hash]  # type: ignore[arg-type]
-            self._hash[block_id] = None
-            self.num_evictions += 1
-            if self.on_evict is not None:
-                self.on_evict(block_id, block_hash)  # type: ignore[arg-type]
+            block_id = next(iter(self._cached))
+            self._evict(block_id)
         else:
             raise NoFreeBlocksError("no free or cached device blocks left")
         self._ref[block_id] = 1
         self._num_used += 1
+        self._run_used[block_id // self.run_length] += 1
+        self._idle_runs.pop(block_id // self.run_length, None)
         return block_id
 
     def lookup(self, block_hash: BlockHash) -> int | None:
@@ -202,6 +233,10 @@ class BlockPool:
             if block_id not in self._cached:
                 raise ValueError(f"block {block_id} is free; only used or cached blocks can be shared")
             del self._cached[block_id]
+            run = block_id // self.run_length
+            self._run_cached[run] -= 1
+            self._run_used[run] += 1
+            self._idle_runs.pop(run, None)
             self._num_used += 1
         self._ref[block_id] += 1
 
@@ -213,10 +248,16 @@ class BlockPool:
         self._ref[block_id] = ref - 1
         if ref == 1:
             self._num_used -= 1
+            run = block_id // self.run_length
+            self._run_used[run] -= 1
             if self._hash[block_id] is not None:
                 self._cached[block_id] = None  # most recently released: evicted last
+                self._run_cached[run] += 1
             else:
                 self._release(block_id)
+            if run and not self._run_used[run] and self._run_cached[run]:
+                self._idle_runs[run] = None
+                self._idle_runs.move_to_end(run)  # most recently released: reclaimed last
 
     def set_hash(self, block_id: int, block_hash: BlockHash) -> bool:
         """Index a used, fully computed block by its content hash.
@@ -244,6 +285,8 @@ class BlockPool:
             block_id, _ = self._cached.popitem(last=False)
             del self._by_hash[self._hash[block_id]]  # type: ignore[arg-type]
             self._hash[block_id] = None
+            self._run_cached[block_id // self.run_length] -= 1
             self._release(block_id)
             dropped += 1
+        self._idle_runs.clear()  # each was free and cached blocks only: wholly free now
         return dropped
