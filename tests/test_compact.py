@@ -128,15 +128,17 @@ def test_packed_linear_matches_f_linear(dtype, rows):
         assert torch.equal(linear(x_strided), F.linear(x_strided, weight, bias))
 
 
-def test_packed_rows_come_in_few_buckets():
+@pytest.mark.parametrize(("row_step", "num_buckets"), [(16, 24), (8, 28)])
+def test_packed_rows_come_in_few_buckets(row_step: int, num_buckets: int):
     """oneDNN builds (and keeps) a kernel per input shape: every row count a step can have maps
-    to one of 24 buckets up to 2048, never fewer rows, at most 15 extra up to 128 and 25% above."""
-    buckets = {padded_rows(rows) for rows in range(1, 2049)}
-    assert len(buckets) == 24 and max(buckets) == 2048
+    to one of a few buckets up to 2048, never fewer rows, whole row steps (16: AMX tiles), at
+    most a row step less one extra up to 8 steps, at most 25% above."""
+    buckets = {padded_rows(rows, row_step) for rows in range(1, 2049)}
+    assert len(buckets) == num_buckets and max(buckets) == 2048
     for rows in range(1, 2049):
-        padded = padded_rows(rows)
-        assert padded >= rows and padded % 16 == 0
-        assert padded - rows <= (15 if rows <= 128 else rows // 4), rows
+        padded = padded_rows(rows, row_step)
+        assert padded >= rows and padded % row_step == 0
+        assert padded - rows <= (row_step - 1 if rows <= 8 * row_step else rows // 4), rows
 
 
 def test_a_packed_linear_pads_rows_without_changing_them():

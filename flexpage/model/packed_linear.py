@@ -18,9 +18,12 @@ input shape it meets: on the AMX test machine a 576->1536 projection took 2.9 ms
 of memory per new row count, and ideep's cache keeps up to 1024 of them (``LRU_CACHE_CAPACITY``).
 A server meets every row count from 1 to ``max_num_batched_tokens``: its RSS grew by ~370 MiB
 in a 6-minute soak (``bench/soak.py``), and each first-seen count stalled its step. Inputs are
-zero-padded to one of 20 bucket sizes up to 1024 rows instead (at most 15 extra rows up to
-128 rows -- a bf16 matmul of 1 or 16 rows costs the same, 80 us -- and at most 25% above),
-and :meth:`PackedLinear.prime` builds every bucket's kernel up front.
+zero-padded to one of ~20 bucket sizes up to 1024 rows instead (at most 25% extra rows above
+128), and :meth:`PackedLinear.prime` builds every bucket's kernel up front. Below 128 rows
+the buckets step by 16 rows on CPUs with AMX, whose tiles hold 16 rows (a bf16 matmul of 1
+or 16 rows costs the same, 80 us), and by 8 elsewhere: with AVX512-BF16 alone, one
+forward's projections of SmolLM2 take 16-18 ms for 1 to 8 rows and 27.6 ms for 16, so
+padding a lone decode row to 16 cost a third of its step.
 """
 
 from __future__ import annotations
@@ -35,15 +38,17 @@ __all__ = ["PackedLinear", "can_prepack", "padded_rows", "tiled_linear", "tiled_
 
 #: the row count oneDNN tunes the packed layout for (a decode batch); any count works
 _BATCH_HINT = 64
-#: packed inputs are padded to a multiple of this many rows at least (AMX tiles hold 16 rows)
-_MIN_ROW_STEP = 16
+#: packed inputs are padded to a multiple of this many rows at least: 16 where AMX tiles hold 16
+#: rows (fewer cost as much), 8 where the vector kernels' cost grows with the rows
+ROW_STEP = 16 if torch.cpu._is_amx_tile_supported() else 8
 
 
-def padded_rows(rows: int) -> int:
-    """The bucket a packed linear computes ``rows`` inputs as: multiples of 16 up to 128, then
-    four sizes per doubling (160, 192, 224, 256, 320, ...)."""
+def padded_rows(rows: int, row_step: int = ROW_STEP) -> int:
+    """The bucket a packed linear computes ``rows`` inputs as: multiples of ``row_step`` up to
+    ``8 * row_step`` rows, then four sizes per doubling (with 16: 16, 32, ..., 128, 160, 192,
+    224, 256, 320, ...)."""
     octave = 1 << max(0, rows - 1).bit_length()  # the smallest power of two >= rows
-    step = max(_MIN_ROW_STEP, octave // 8)
+    step = max(row_step, octave // 8)
     return -(-max(rows, 1) // step) * step
 
 
