@@ -39,7 +39,8 @@ from attention_reference import (
 )
 from flexpage.attention.flex import FlexRunner
 from flexpage.attention.paging import build_paged_batch
-from flexpage.attention.thread_balance import thread_balanced_order
+from flexpage.attention.thread_balance import PADDING_ROW as P
+from flexpage.attention.thread_balance import thread_balanced_layout
 from flexpage.recipes.causal import causal
 
 pytestmark = pytest.mark.usefixtures("compile_budget", "single_torch_thread")
@@ -382,27 +383,34 @@ def test_slots_outside_the_block_tables_are_never_read():
 @pytest.mark.parametrize(("work", "num_rows", "threads", "expected"), [
     ([4000, 4000, 100, 100], 4, 2, [0, 2, 1, 3]),  # both long rows in the first half: one each
     ([4000, 100, 4000, 100], 4, 2, [0, 1, 2, 3]),  # already balanced: batch order kept
-    ([100, 3000, 2900, 50, 60, 70], 8, 2, [1, 5, 4, 3, 2, 0]),  # 6 rows padded to 8: shares of 4 and 2 real rows
+    ([100, 3000, 2900, 50, 60, 70], 8, 2, [1, 5, 3, P, 2, 0, 4, P]),  # padded to 8: 3 real rows each
+    ([100, 100, 100, 100, 100, 100], 8, 2, [0, 1, 2, P, 3, 4, 5, P]),  # equal rows: padding spread, order kept
     ([4000, 4000, 100, 100], 4, 1, [0, 1, 2, 3]),  # one thread: nothing to balance
 ])
-def test_rows_are_ordered_so_each_kernel_thread_gets_equal_work(work, num_rows, threads, expected):
-    order = thread_balanced_order(np.array(work), num_rows, threads)
-    assert order.tolist() == expected
+def test_rows_are_laid_out_so_each_kernel_thread_gets_equal_work(work, num_rows, threads, expected):
+    layout = thread_balanced_layout(np.array(work), num_rows, threads)
+    assert layout.tolist() == expected
 
 
 @settings(max_examples=200, deadline=None)
 @given(work=st.lists(st.integers(1, 5000), min_size=1, max_size=40), threads=st.integers(1, 4))
-def test_balanced_order_is_a_permutation_never_worse_than_batch_order(work: list[int], threads: int):
+def test_balanced_layout_holds_every_row_once_and_beats_padding_at_the_end(work: list[int], threads: int):
     work_arr = np.array(work)
     num_rows = 1 << (len(work) - 1).bit_length()
-    order = thread_balanced_order(work_arr, num_rows, threads)
-    assert sorted(order.tolist()) == list(range(len(work)))
+    layout = thread_balanced_layout(work_arr, num_rows, threads)
+    assert layout.size == num_rows and sorted(layout[layout != P].tolist()) == list(range(len(work)))
     share = -(-num_rows // threads)
+    slot_work = np.where(layout == P, 0, work_arr[layout])
+    padded_at_end = np.concatenate([work_arr, np.zeros(num_rows - len(work), dtype=work_arr.dtype)])
 
     def busiest(w: np.ndarray) -> int:
         return max(int(w[t * share:(t + 1) * share].sum()) for t in range(threads))
 
-    assert busiest(work_arr[order]) <= busiest(work_arr)
+    assert busiest(slot_work) <= busiest(padded_at_end)
+    shares = [layout[t * share:(t + 1) * share] for t in range(threads)]
+    real = [int((rows != P).sum()) for rows in shares]
+    # padding is spread: a share that holds padding has at most one real row fewer than any other
+    assert all(real[t] >= max(real) - 1 for t, rows in enumerate(shares) if (rows == P).any())
 
 
 def test_rows_reordered_for_two_threads_still_match_reference():

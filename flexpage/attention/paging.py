@@ -44,7 +44,7 @@ from torch import Tensor
 from flexpage.attention.errors import check_arg
 from flexpage.attention.paging_inputs import check_paging_inputs
 from flexpage.attention.recipe import Recipe
-from flexpage.attention.thread_balance import thread_balanced_order
+from flexpage.attention.thread_balance import PADDING_ROW, thread_balanced_layout
 
 DECODE_Q_BLOCK = 1
 PREFILL_Q_BLOCK = 32
@@ -146,7 +146,7 @@ def build_paged_batch(
     serving run triggers a bounded number of compiled kernels. ``num_threads`` (default:
     torch's) is how many threads the kernel splits a group's rows between; rows are ordered
     so that each thread's share holds about the same number of tokens (see
-    :func:`thread_balanced_order`).
+    :func:`thread_balanced_layout`).
 
     ``deterministic`` plans every row so that its output does not depend on the rest of the
     batch (the engine's deterministic mode; run with ``FlexRunner(deterministic=True)``): decode
@@ -215,11 +215,11 @@ def build_paged_batch(
             continue
         num_rows = next_power_of_two(rows.size) if bucket else rows.size
         work = query_lens_n[rows] * (seq_lens_n[rows] + _ROW_OVERHEAD_TOKENS)
-        rows = rows[thread_balanced_order(work, num_rows, threads)]
+        layout = thread_balanced_layout(work, num_rows, threads)
         groups.append(
             _build_group(
-                rows, tables, seq_lens_n, query_lens_n, starts, page_to_logical,
-                num_rows=num_rows, num_tokens=num_tokens, num_pages=num_pages, page_size=page_size,
+                np.where(layout == PADDING_ROW, PADDING_ROW, rows[layout]), tables, seq_lens_n, query_lens_n, starts,
+                page_to_logical, num_tokens=num_tokens, num_pages=num_pages, page_size=page_size,
                 q_block=q_block, pages_per_block=pages_per_block, recipe=recipe, bucket=bucket,
                 gather=q_block > DECODE_Q_BLOCK, all_partial=deterministic, row_starts=row_starts,
             )
@@ -301,14 +301,13 @@ def _one_owner_per_block(tables: np.ndarray, in_use: np.ndarray, pages_per_block
 
 
 def _build_group(
-    rows: np.ndarray,
+    layout: np.ndarray,  # [kernel rows] the sequence each kernel row computes (PADDING_ROW: none)
     tables: np.ndarray,
     seq_lens: np.ndarray,
     query_lens: np.ndarray,
     starts: np.ndarray,
     page_to_logical: Tensor,
     *,
-    num_rows: int,  # rows padded to (a power of two when bucketing)
     num_tokens: int,
     num_pages: int,
     page_size: int,
@@ -320,18 +319,22 @@ def _build_group(
     all_partial: bool = False,
     row_starts: np.ndarray | None = None,  # [S] first slot of each sequence's row: read rows in place
 ) -> AttentionGroup:
-    n = rows.size
+    real_row = layout != PADDING_ROW
+    rows, num_rows = layout[real_row], layout.size  # the real rows in kernel order
     max_q = int(query_lens[rows].max())
     q_len = next_power_of_two(max_q) if bucket else max_q
     # a fixed query block per group (short chunks are padded up to it): a changing block
     # size would be one more compiled kernel each time; decode rows (one query) stay one long
     if max_q > 1:
         q_len = -(-q_len // q_block) * q_block
-    pad = num_rows - n
     width = tables.shape[1]
 
-    def padded(a: np.ndarray) -> np.ndarray:  # padding rows: no tokens, null pages
-        return np.concatenate([a, np.zeros((pad, *a.shape[1:]), dtype=a.dtype)]) if pad else a
+    def padded(a: np.ndarray) -> np.ndarray:  # per real row -> per kernel row; padding rows: no tokens, null pages
+        if num_rows == rows.size:
+            return a
+        out = np.zeros((num_rows, *a.shape[1:]), dtype=a.dtype)
+        out[real_row] = a
+        return out
 
     seq_len = padded(seq_lens[rows])
     q_count = padded(query_lens[rows])

@@ -1,41 +1,52 @@
-"""Which kernel thread gets which rows: an order of a group's rows that balances the threads."""
+"""Which kernel thread gets which rows: a layout of a group's rows that balances the threads."""
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["thread_balanced_order"]
+__all__ = ["PADDING_ROW", "thread_balanced_layout"]
+
+#: a row slot of the kernel that computes nothing (the group is padded to a bucketed row count)
+PADDING_ROW = -1
 
 # keep the batch order unless balancing shortens the busiest thread's share by more than this
 _MIN_BALANCE_GAIN = 0.05
 
 
-def thread_balanced_order(work: np.ndarray, num_rows: int, num_threads: int) -> np.ndarray:
-    """A permutation of a group's rows that gives each kernel thread about equal ``work``.
+def thread_balanced_layout(work: np.ndarray, num_rows: int, num_threads: int) -> np.ndarray:
+    """The row each of a group's ``num_rows`` kernel row slots computes (:data:`PADDING_ROW`
+    for padding), so that each kernel thread gets about equal ``work``.
 
     The CPU kernel hands each thread one contiguous range of its (row, head, query block)
-    items, so rows ``[0, num_rows/T)`` go to the first thread and so on (padding rows, which
-    cost nothing, come last). With a few long sequences on one side the other threads wait:
-    on ``bench/attention.py``'s batch-32 row the two halves of the batch hold 36k and 53k
-    tokens. Longest row first into the least loaded share with room left; the identity
-    (batch order, which lets an all-decode step skip its query gather) unless that shortens
-    the busiest share by more than 5%. Only speed depends on the order, never the result.
+    items, so slots ``[0, num_rows/T)`` go to the first thread and so on. Padding rows cost
+    nothing, so they are spread over the shares, as evenly as the real rows: at the end of
+    the group they left the last thread idle (48 decode rows padded to 64 gave one thread 32
+    rows, the other 16). Within that, longest row first into the least loaded share with
+    room left; batch order (which lets an unpadded all-decode step skip its query gather)
+    unless that shortens the busiest share by more than 5%. Only speed depends on the
+    layout, never the result.
     """
     n = work.size
-    identity = np.arange(n)
-    if num_threads <= 1 or n <= 1:
-        return identity
-    share = -(-num_rows // num_threads)
-    in_order = int(np.add.reduceat(work, np.arange(0, n, share)).max())
-    if (1 - _MIN_BALANCE_GAIN) * in_order <= work.sum() / num_threads:  # no order can beat the mean share by more
-        return identity
-    capacity = [min(share, max(0, n - t * share)) for t in range(num_threads)]  # real rows fill shares in order
-    load = [0] * num_threads
-    members: list[list[int]] = [[] for _ in range(num_threads)]
-    for row in np.argsort(-work, kind="stable").tolist():
-        t = min((t for t in range(num_threads) if len(members[t]) < capacity[t]), key=load.__getitem__)
-        members[t].append(row)
-        load[t] += int(work[row])
-    if max(load) > (1 - _MIN_BALANCE_GAIN) * in_order:
-        return identity
-    return np.array([row for rows in members for row in rows], dtype=np.int64)
+    threads = max(1, num_threads)
+    share = -(-num_rows // threads)
+    sizes = [max(0, min(share, num_rows - t * share)) for t in range(threads)]
+    capacity = [min(size, n // threads + (t < n % threads)) for t, size in enumerate(sizes)]
+    for t in range(threads):  # real rows a short last share cannot take go where there is room
+        extra = min(sizes[t] - capacity[t], n - sum(capacity))
+        capacity[t] += max(0, extra)
+    bounds = np.cumsum([0, *capacity])
+    members = [list(range(bounds[t], bounds[t + 1])) for t in range(threads)]  # batch order
+    in_order = max(int(work[rows].sum()) for rows in members)
+    if threads > 1 and n > 1 and (1 - _MIN_BALANCE_GAIN) * in_order > work.sum() / threads:
+        load = [0] * threads
+        balanced: list[list[int]] = [[] for _ in range(threads)]
+        for row in np.argsort(-work, kind="stable").tolist():
+            t = min((t for t in range(threads) if len(balanced[t]) < capacity[t]), key=load.__getitem__)
+            balanced[t].append(row)
+            load[t] += int(work[row])
+        if max(load) <= (1 - _MIN_BALANCE_GAIN) * in_order:
+            members = balanced
+    layout = np.full(num_rows, PADDING_ROW, dtype=np.int64)
+    for t, rows in enumerate(members):
+        layout[t * share:t * share + len(rows)] = rows
+    return layout
