@@ -24,9 +24,9 @@ that has served for a while is full of cached blocks -- it takes the least recen
 released *idle* run (no block in use, some cached), evicting that run's cached blocks
 together, and only then falls back to loose free blocks and single LRU evictions
 (placement only affects speed, never correctness). Without idle runs, a full pool
-scattered every new sequence over blocks of other runs: on the 48-prompt workload
-throughput fell from ~215 to 129-156 tok/s once the cache had filled the pool
-(``bench/pool_reuse.py``). This is vAttention's point -- attention wants contiguous KV --
+scattered every new sequence over blocks of other runs: once the cache had filled the
+pool, decode rows of the 48-prompt workload visited ~3x the key blocks they needed and
+throughput fell to 0.81x that of an engine without prefix caching (``bench/pool_reuse.py``). This is vAttention's point -- attention wants contiguous KV --
 kept within PagedAttention's small blocks.
 """
 
