@@ -28,7 +28,7 @@ from flexpage import LLM, SamplingParams
 
 
 def run_round(llm: LLM, seed: int) -> dict:
-    """One workload to completion, step by step, counting the key blocks decode rows visit."""
+    """One workload to completion, step by step, counting the key blocks running sequences visit."""
     engine, manager = llm.engine, llm.engine.scheduler.block_manager
     run_length = manager.pool.run_length
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)

@@ -169,16 +169,22 @@ class BlockPool:
     def _run_blocks(self, run: int) -> range:
         return range(run * self.run_length, min((run + 1) * self.run_length, self.num_blocks))
 
-    def _evict(self, block_id: int) -> None:
-        """Drop a cached block's hash (it is then neither cached nor free: the caller decides)."""
+    def _unindex(self, block_id: int) -> BlockHash:
+        """Take a cached block out of the prefix cache (it is then neither cached nor free: the
+        caller decides); returns the hash it had."""
         del self._cached[block_id]
         block_hash = self._hash[block_id]
         del self._by_hash[block_hash]  # type: ignore[arg-type]
         self._hash[block_id] = None
         self._run_cached[block_id // self.run_length] -= 1
+        return block_hash  # type: ignore[return-value]
+
+    def _evict(self, block_id: int) -> None:
+        """Evict a cached block for reuse: unindexed, counted, reported to ``on_evict``."""
+        block_hash = self._unindex(block_id)
         self.num_evictions += 1
         if self.on_evict is not None:
-            self.on_evict(block_id, block_hash)  # type: ignore[arg-type]
+            self.on_evict(block_id, block_hash)
 
     def _reclaim_idle_run(self) -> int:
         """Evict every cached block of the least recently released idle run; returns the run,
@@ -282,10 +288,8 @@ class BlockPool:
         """Evict every cached (ref-0) block; returns how many were dropped."""
         dropped = 0
         while self._cached:
-            block_id, _ = self._cached.popitem(last=False)
-            del self._by_hash[self._hash[block_id]]  # type: ignore[arg-type]
-            self._hash[block_id] = None
-            self._run_cached[block_id // self.run_length] -= 1
+            block_id = next(iter(self._cached))
+            self._unindex(block_id)
             self._release(block_id)
             dropped += 1
         self._idle_runs.clear()  # each was free and cached blocks only: wholly free now
