@@ -649,15 +649,20 @@ def test_a_decode_row_skips_pages_its_kv_budget_evicted_and_keeps_true_positions
 
 def test_gathered_rows_attend_in_float32_where_reduced_precision_kernels_cannot_use_amx(monkeypatch):
     """bf16/fp16 prefill rows run the float32 kernel on CPUs without AMX (its reduced-precision
-    path there widens every load anyway, and is slower); with AMX, and off the CPU, they keep
-    their dtype. float32 is never changed."""
+    path there widens every load anyway, and is slower), except bf16 where the kernels run
+    AVX512-BF16 dot products; with AMX, and off the CPU, they keep their dtype. float32 is
+    never changed."""
     from flexpage.attention import _cpu_template_tuning, flex
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    for amx, reduced in ((False, torch.float32), (True, torch.bfloat16)):
+    for amx, dot, bf16, fp16 in ((False, "", torch.float32, torch.float32),
+                                 (False, "digest", torch.bfloat16, torch.float32),
+                                 (True, "", torch.bfloat16, torch.float16)):
         monkeypatch.setattr(_cpu_template_tuning, "packs_for_amx", lambda dtype, amx=amx: amx)
+        monkeypatch.setattr(_cpu_template_tuning, "dot_bf16_option", lambda dot=dot: dot)
         flex.gathered_attention_dtype.cache_clear()
-        assert flex.gathered_attention_dtype(torch.bfloat16, cpu) == reduced
+        assert flex.gathered_attention_dtype(torch.bfloat16, cpu) == bf16
+        assert flex.gathered_attention_dtype(torch.float16, cpu) == fp16
         assert flex.gathered_attention_dtype(torch.float32, cpu) == torch.float32
         assert flex.gathered_attention_dtype(torch.bfloat16, cuda) == torch.bfloat16
     flex.gathered_attention_dtype.cache_clear()

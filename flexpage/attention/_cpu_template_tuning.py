@@ -22,7 +22,11 @@ decode call: 28% in MKL's generic bf16 gemm, 22% in the q@k^T micro-gemm):
   tile is reloaded for every row. The tuned template blocks ``min(query block rows, 16)``
   rows, which keeps the whole query block in registers for decode.
 
-Those two give 1.5-3x faster bf16 decode calls. float32 decode keeps ``brgemm`` and one-row
+Those two give 1.5-3x faster bf16 decode calls. On CPUs with AVX512-BF16, kernels compiled
+with ``kernel_options={DOT_BF16_OPTION: True}`` (flexpage passes it there, see
+:func:`dot_bf16_option`) run both bf16 micro-gemms on ``vdpbf16ps`` (``_dot_bf16.h``):
+a pair of bf16 products per float32 lane, no widening, half the shuffles of the stock
+transposed tile. float32 decode keeps ``brgemm`` and one-row
 blocks (a fast sgemm there; both changes measured slower); float32 prefill query blocks
 (32 rows) block 16 rows in the q@k^T micro-gemm: 1.4-2x faster prefill calls
 (``bench/prefill.py``). Numerics are identical up to float summation order.
@@ -42,6 +46,9 @@ graph cache does not see template text).
 from __future__ import annotations
 
 import contextvars
+import hashlib
+import os
+from pathlib import Path
 from typing import Any, NamedTuple
 from types import SimpleNamespace
 
@@ -51,11 +58,15 @@ TUNED_OPTION = "FLEXPAGE_TUNED_CPU_TEMPLATE"
 #: kernel option: every query row computed by the same arithmetic whatever the call's shape (see
 #: :data:`_DETERMINISTIC_EDITS`); only with :data:`TUNED_OPTION`
 DETERMINISTIC_OPTION = "FLEXPAGE_DETERMINISTIC_CPU_TEMPLATE"
-TUNING_VERSION = 17  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
+#: kernel option: bf16 micro-gemms on AVX512-BF16 dot products (see :func:`dot_bf16_option`);
+#: only with :data:`TUNED_OPTION`, never deterministic
+DOT_BF16_OPTION = "FLEXPAGE_AVX512_BF16_DOT"
+DOT_BF16_ENV_SWITCH = "FLEXPAGE_BF16_DOT"  # "0": stock bf16 micro-gemms (for comparisons)
+TUNING_VERSION = 18  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
 # 6: no K/V packing buffers unless packing; 7: only the visited key blocks are packed;
 # 12: float32 prefill micro-gemms block up to 16 rows (8-11: experiments);
 # 13: AVX2 kernels never pack and keep stock micro-gemms; 14-15: deterministic kernels;
-# 16-17: deterministic kernels block rows too
+# 16-17: deterministic kernels block rows too; 18: bf16 dot-product micro-gemms
 _MAX_BLOCK_M = 16  # float32 prefill: 8 rows 10-15% slower, 32 no faster
 _MIN_FP32_BLOCKED_ROWS = 16  # decode blocks (1-8 packed query heads) keep one-row blocking in float32
 _STOCK_PV_BRANCH = "          if (!std::is_same_v<scalar_t, at::Half>) {\n            at::native::cpublas::brgemm("
@@ -69,6 +80,22 @@ _TUNED_PV_BRANCH = "          if (false) {  // flexpage: P@V through the micro-g
 # ran 1.7-1.8x slower with one-row blocks (float32 rows, AMD EPYC).
 _STOCK_TRANSPOSED_CHOICE = "&& 24 * BLOCK_M > K) {"
 _DETERMINISTIC_TRANSPOSED_CHOICE = ") {  // flexpage: deterministic, one way for every row block"
+
+# The micro-gemm kernel template's first line of body; bf16 kernels with DOT_BF16_OPTION call
+# the helpers of _dot_bf16.h there (q @ k^T needs a head dimension that is a multiple of 32).
+_KERNEL_BODY_START = "    using Vectorized = at::vec::Vectorized<{{compute_t}}>;\n"
+_DOT_BF16_CALL = """\
+{%- if input_dtype == torch.bfloat16 and input2_dtype == torch.bfloat16 and compute_t == "float" and block_n == 16 %}
+    if ({{ "K % 32 == 0" if trans_b else "true" }}) {  // flexpage: AVX512-BF16 dot products
+        flexpage_dot_bf16::{{ "qk" if trans_b else "pv" }}<BLOCK_M, accum>(
+            reinterpret_cast<const uint16_t*>(A), reinterpret_cast<const uint16_t*>(B), C,
+            {{ "N" if tail_n else "BLOCK_N" }}, K, lda, ldb, ldc);
+        return;
+    }
+{%- endif %}
+"""
+_DOT_BF16_SOURCE = Path(__file__).with_name("_dot_bf16.h").read_text()
+_DOT_BF16_HELPERS = "{% raw %}" + _DOT_BF16_SOURCE + "{% endraw %}\n"
 
 # Text edits of the stock template (each must match exactly once, else nothing is tuned).
 _LEAN_EDITS = (
@@ -269,6 +296,7 @@ class _Lowering(NamedTuple):
     tuned: bool  # the kernel asked for the tuned template
     identity_score: bool  # its score mod returns the score unchanged
     deterministic: bool = False  # it asked for DETERMINISTIC_OPTION
+    dot_bf16: bool = False  # it asked for DOT_BF16_OPTION (and is not deterministic)
 
 
 # set while flex_attention is lowered, read when the lowering constructs its template
@@ -296,7 +324,8 @@ def apply() -> bool:
     reduced_template = lean_template.replace(_STOCK_PV_BRANCH, _TUNED_PV_BRANCH)
     if any(reduced_template.count(old) != 1 for old, _ in _DETERMINISTIC_EDITS):
         return False
-    if cpp_micro_gemm.CppMicroGemmFP32Vec.TEMPLATE_KERNEL.count(_STOCK_TRANSPOSED_CHOICE) != 2:
+    stock_kernel = cpp_micro_gemm.CppMicroGemmFP32Vec.TEMPLATE_KERNEL
+    if stock_kernel.count(_STOCK_TRANSPOSED_CHOICE) != 2 or stock_kernel.count(_KERNEL_BODY_START) != 1:
         return False
     deterministic_template = reduced_template
     for old, new in _DETERMINISTIC_EDITS:
@@ -309,8 +338,9 @@ def apply() -> bool:
         kernel_options = args[6] if len(args) > 6 else kwargs.get("kernel_options", {})
         score_mod = args[3] if len(args) > 3 else kwargs.get("subgraph")
         tuned = bool(kernel_options.get(TUNED_OPTION, False))
-        token = _lowering.set(_Lowering(tuned, tuned and _is_identity(score_mod),
-                                        tuned and bool(kernel_options.get(DETERMINISTIC_OPTION, False))))
+        deterministic = tuned and bool(kernel_options.get(DETERMINISTIC_OPTION, False))
+        dot_bf16 = tuned and not deterministic and bool(kernel_options.get(DOT_BF16_OPTION, False))
+        token = _lowering.set(_Lowering(tuned, tuned and _is_identity(score_mod), deterministic, dot_bf16))
         try:
             return stock_lowering(*args, **kwargs)
         finally:
@@ -324,6 +354,7 @@ def apply() -> bool:
         self.flexpage_tuned = lowering_state.tuned
         self.flexpage_identity_score = lowering_state.identity_score
         self.flexpage_deterministic = lowering_state.deterministic
+        self.flexpage_dot_bf16 = lowering_state.dot_bf16
 
     stock_choose = template_cls.choose_flex_template
 
@@ -352,6 +383,8 @@ def apply() -> bool:
         kernel_text = stock_gemm.TEMPLATE_KERNEL
         if self.flexpage_deterministic:
             kernel_text = kernel_text.replace(_STOCK_TRANSPOSED_CHOICE, _DETERMINISTIC_TRANSPOSED_CHOICE)
+        if self.flexpage_dot_bf16:
+            kernel_text = _DOT_BF16_HELPERS + kernel_text.replace(_KERNEL_BODY_START, _KERNEL_BODY_START + _DOT_BF16_CALL)
 
         class RowBlockedGemm(stock_gemm):  # type: ignore[misc, valid-type]
             TEMPLATE_KERNEL = kernel_text
@@ -381,6 +414,23 @@ def installed() -> bool:
     from torch._inductor.codegen import cpp_flex_attention_template as template_module
 
     return bool(getattr(template_module.CppFlexAttentionTemplate, "_flexpage_tuning", False))
+
+
+def dot_bf16_option() -> str:
+    """The value flexpage gives :data:`DOT_BF16_OPTION`: ``""`` (stock bf16 micro-gemms) unless
+    Inductor compiles AVX-512 code for a CPU with AVX512-BF16 (and ``FLEXPAGE_BF16_DOT`` is
+    not ``"0"``); there a digest of ``_dot_bf16.h``, so that Inductor's cache, which keys a
+    kernel by its graph and not by the code a template renders, never returns kernels built
+    from another version of the helpers.
+
+    On an AMD EPYC (Zen 4) a 48-row bf16 GQA decode call ran in XX of the stock kernel's
+    time. Deterministic kernels keep the stock arithmetic: the dot products sum in pairs, so
+    a decode row would no longer match the same token's row in a float32-gathered prefill."""
+    if os.environ.get(DOT_BF16_ENV_SWITCH, "1") == "0" or not _compiles_avx512():
+        return ""
+    if not torch.cpu._is_avx512_bf16_supported():
+        return ""
+    return hashlib.sha256(_DOT_BF16_SOURCE.encode()).hexdigest()[:16]
 
 
 def _is_reduced(template: Any) -> bool:

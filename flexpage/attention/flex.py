@@ -212,7 +212,9 @@ def gathered_attention_dtype(dtype: torch.dtype, device: torch.device,
     """
     if deterministic or device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
         return dtype
-    return dtype if _cpu_template_tuning.packs_for_amx(dtype) else torch.float32
+    if _cpu_template_tuning.packs_for_amx(dtype) or (dtype == torch.bfloat16 and _cpu_template_tuning.dot_bf16_option()):
+        return dtype
+    return torch.float32
 
 
 @functools.cache
@@ -246,6 +248,8 @@ def kernel_options_for(device: torch.device, kernel_options: dict | None, *, det
         options.setdefault(_cpu_template_tuning.TUNED_OPTION, _cpu_template_tuning.TUNING_VERSION)
         if deterministic:
             options[_cpu_template_tuning.DETERMINISTIC_OPTION] = True
+        else:
+            options.setdefault(_cpu_template_tuning.DOT_BF16_OPTION, _cpu_template_tuning.dot_bf16_option())
     elif deterministic:  # the stock template picks its arithmetic by call shape
         raise ValueError("deterministic: attention needs flexpage's tuned CPU template, which is not installed "
                            f"(compile=False or FLEXPAGE_COMPILE=0, {torch_patches.ENV_SWITCH}=0, or torch "
