@@ -21,6 +21,8 @@ kernels instead of each compiling its own.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -176,13 +178,14 @@ def test_eager_paged_attention_matches_reference(geometry: Geometry, spec: Batch
 def test_tuned_cpu_template_is_used_only_for_flexpage_kernels(monkeypatch: pytest.MonkeyPatch):
     """flexpage's kernels get the tuned template: every dtype the lean key-block loop (tail
     trimming, no identity score mod, no list search), bf16 also P@V through the micro-gemm
-    and rows blocked; the same flex_attention compiled without flexpage's kernel option stays stock."""
+    and rows blocked (on AVX512-BF16 dot products where the CPU has them); the same
+    flex_attention compiled without flexpage's kernel option stays stock."""
     from torch._inductor import config as inductor_config
     from torch._inductor.cpu_vec_isa import VecAVX512, pick_vec_isa
     from torch._inductor.utils import run_and_get_code
     from torch.nn.attention.flex_attention import flex_attention
 
-    from flexpage.attention import flex
+    from flexpage.attention import _cpu_template_tuning, flex
 
     def fresh_code_object(*args):  # Dynamo caches per code object: compile anew, whatever ran before
         return flex._group_attention(*args)
@@ -210,6 +213,13 @@ def test_tuned_cpu_template_is_used_only_for_flexpage_kernels(monkeypatch: pytes
     assert ("flexpage: P@V through the micro-gemm" in codes[torch.bfloat16]) is avx512
     assert ("transpose_b_kernel<3, 16" in codes[torch.bfloat16]) is avx512
     assert "flexpage: P@V through the micro-gemm" not in codes[torch.float32]
+    # on CPUs with AVX512-BF16 (AVX-512 code) both bf16 micro-gemms call the dot-product helpers
+    dot = bool(_cpu_template_tuning.dot_bf16_option())
+    switched_off = os.environ.get(_cpu_template_tuning.DOT_BF16_ENV_SWITCH) == "0"
+    assert dot == (avx512 and torch.cpu._is_avx512_bf16_supported() and not switched_off)
+    for helper in ("flexpage_dot_bf16::qk<BLOCK_M, accum>", "flexpage_dot_bf16::pv<BLOCK_M, accum>"):
+        assert (helper in codes[torch.bfloat16]) is dot
+        assert helper not in codes[torch.float32]
     assert "flexpage" not in stock_code
     assert "transpose_b_kernel<3, 16" not in stock_code
     assert "std::find(kv_indice_list" in stock_code

@@ -198,13 +198,15 @@ def gathered_attention_dtype(dtype: torch.dtype, device: torch.device,
                              deterministic: bool = False) -> torch.dtype:
     """The dtype rows over a gathered copy of their keys attend in (prefill rows; in a
     deterministic plan, decode rows outside aligned runs too): ``dtype``, except bf16/fp16 on a CPU whose kernels cannot use
-    AMX (:func:`~flexpage.attention._cpu_template_tuning.packs_for_amx`), where it is float32.
+    AMX (:func:`~flexpage.attention._cpu_template_tuning.packs_for_amx`), where it is float32
+    -- unless the kernels run bf16 on AVX512-BF16 dot products
+    (:func:`~flexpage.attention._cpu_template_tuning.dot_bf16_option`), faster than float32.
 
-    There the reduced-precision kernel is the vector micro-gemm, which widens every load to
-    float32 and rounds the probabilities back before ``P @ V``; float32 inputs run the tuned
-    template's row-blocked float32 path instead: bf16 prefill rows went from 1.04-1.68x to
-    0.80-1.08x contiguous SDPA's time (AMD EPYC with AVX512-BF16, ``bench/prefill.py``). The gather copies the keys anyway, so
-    widening them costs one wider write, and the result is no less exact.
+    Otherwise the reduced-precision kernel is the stock vector micro-gemm, which widens every
+    load to float32 and rounds the probabilities back before ``P @ V``; float32 inputs run the
+    tuned template's row-blocked float32 path instead (bf16 prefill rows on stock micro-gemms:
+    1.04-1.68x contiguous SDPA's time, as float32 0.80-1.08x; ``bench/prefill.py``). The gather
+    copies the keys anyway, so widening them costs one wider write, and the result is no less exact.
 
     ``deterministic``: always ``dtype``. Deterministic decode rows read the pool in place
     where they can (``build_paged_batch(deterministic_in_place=True)``), and must compute as
