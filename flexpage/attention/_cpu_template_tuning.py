@@ -23,8 +23,8 @@ decode call: 28% in MKL's generic bf16 gemm, 22% in the q@k^T micro-gemm):
   rows, which keeps the whole query block in registers for decode.
 
 Those two give 1.5-3x faster bf16 decode calls. On CPUs with AVX512-BF16, kernels compiled
-with ``kernel_options={DOT_BF16_OPTION: True}`` (flexpage passes it there, see
-:func:`dot_bf16_option`) run both bf16 micro-gemms on ``vdpbf16ps`` (``_dot_bf16.h``):
+with a non-empty ``DOT_BF16_OPTION`` (flexpage passes one there, see :func:`dot_bf16_option`)
+run both bf16 micro-gemms on ``vdpbf16ps`` (``_dot_bf16.h``):
 a pair of bf16 products per float32 lane, no widening, half the shuffles of the stock
 transposed tile. float32 decode keeps ``brgemm`` and one-row
 blocks (a fast sgemm there; both changes measured slower); float32 prefill query blocks
