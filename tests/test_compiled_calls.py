@@ -34,13 +34,18 @@ def test_more_variants_than_dynamos_default_limit_compile_and_the_limit_stays_pu
         assert call_compiled(compiled, x, factor)[0] == factor
 
 
-def test_kernel_options_name_the_tuned_template_and_the_vector_isa():
+def test_kernel_options_name_the_tuned_template_the_vector_isa_and_the_bf16_dot_products():
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     assert torch_patches.install().active  # the tested torch: both patches go in
     options = kernel_options_for(torch.device("cpu"), {"PARTITION_SIZE": 512})
     assert options == {"PARTITION_SIZE": 512, VEC_ISA_OPTION: str(pick_vec_isa()),
-                       _cpu_template_tuning.TUNED_OPTION: _cpu_template_tuning.TUNING_VERSION}
+                       _cpu_template_tuning.TUNED_OPTION: _cpu_template_tuning.TUNING_VERSION,
+                       _cpu_template_tuning.DOT_BF16_OPTION: _cpu_template_tuning.dot_bf16_option()}
+    # deterministic kernels never ask for the bf16 dot products (they keep the stock arithmetic)
+    deterministic = kernel_options_for(torch.device("cpu"), None, deterministic=True)
+    assert deterministic[_cpu_template_tuning.DETERMINISTIC_OPTION] is True
+    assert _cpu_template_tuning.DOT_BF16_OPTION not in deterministic
     assert isa_kernel_options(torch.device("meta")) == {}
 
 
