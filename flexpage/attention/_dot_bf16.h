@@ -57,6 +57,30 @@ constexpr int64_t chains() {
   return BLOCK_M >= 8 ? 1 : (BLOCK_M >= 4 ? 2 : 4);
 }
 
+// C's rows (or zeros) in the first of each row's accumulators, zeros in the others
+template <int64_t S, int64_t BLOCK_M, bool accum>
+FLEXPAGE_DOT_TARGET static inline void start_rows(__m512 (&acc)[S][BLOCK_M], const float* C, int64_t ldc,
+                                                  __mmask16 cols) {
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t m = 0; m < BLOCK_M; ++m) {
+      acc[s][m] = (accum && s == 0) ? _mm512_maskz_loadu_ps(cols, C + m * ldc) : _mm512_setzero_ps();
+    }
+  }
+}
+
+// each row's accumulators summed into C's row
+template <int64_t S, int64_t BLOCK_M>
+FLEXPAGE_DOT_TARGET static inline void store_rows(const __m512 (&acc)[S][BLOCK_M], float* C, int64_t ldc,
+                                                  __mmask16 cols) {
+  for (int64_t m = 0; m < BLOCK_M; ++m) {
+    __m512 sum = acc[0][m];
+    for (int64_t s = 1; s < S; ++s) {
+      sum = _mm512_add_ps(sum, acc[s][m]);
+    }
+    _mm512_mask_storeu_ps(C + m * ldc, cols, sum);
+  }
+}
+
 // C[m, 0:N] (+)= sum_k A[m, k] * B[n, k] for BLOCK_M rows, N <= 16 columns, K % 32 == 0
 template <int64_t BLOCK_M, bool accum>
 FLEXPAGE_DOT_TARGET void qk(const uint16_t* A, const uint16_t* B, float* C, int64_t N, int64_t K,
@@ -64,11 +88,7 @@ FLEXPAGE_DOT_TARGET void qk(const uint16_t* A, const uint16_t* B, float* C, int6
   constexpr int64_t S = chains<BLOCK_M>();
   const __mmask16 cols = N >= 16 ? __mmask16(0xffff) : __mmask16((1u << N) - 1);
   __m512 acc[S][BLOCK_M];
-  for (int64_t s = 0; s < S; ++s) {
-    for (int64_t m = 0; m < BLOCK_M; ++m) {
-      acc[s][m] = (accum && s == 0) ? _mm512_maskz_loadu_ps(cols, C + m * ldc) : _mm512_setzero_ps();
-    }
-  }
+  start_rows<S, BLOCK_M, accum>(acc, C, ldc, cols);
   for (int64_t k = 0; k < K; k += 32) {
     __m512i rows[16];
     for (int64_t n = 0; n < 16; ++n) {
@@ -84,13 +104,7 @@ FLEXPAGE_DOT_TARGET void qk(const uint16_t* A, const uint16_t* B, float* C, int6
       }
     }
   }
-  for (int64_t m = 0; m < BLOCK_M; ++m) {
-    __m512 sum = acc[0][m];
-    for (int64_t s = 1; s < S; ++s) {
-      sum = _mm512_add_ps(sum, acc[s][m]);
-    }
-    _mm512_mask_storeu_ps(C + m * ldc, cols, sum);
-  }
+  store_rows<S, BLOCK_M>(acc, C, ldc, cols);
 }
 
 // lane i: (row 0, column i), (row 1, column i) of the two rows at B, columns in ``cols``
@@ -111,11 +125,7 @@ FLEXPAGE_DOT_TARGET void pv(const uint16_t* A, const uint16_t* B, float* C, int6
       31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   __m512 acc[S][BLOCK_M];
-  for (int64_t s = 0; s < S; ++s) {
-    for (int64_t m = 0; m < BLOCK_M; ++m) {
-      acc[s][m] = (accum && s == 0) ? _mm512_maskz_loadu_ps(cols, C + m * ldc) : _mm512_setzero_ps();
-    }
-  }
+  start_rows<S, BLOCK_M, accum>(acc, C, ldc, cols);
   int64_t k = 0;
   for (; k + 2 * S <= K; k += 2 * S) {
     for (int64_t s = 0; s < S; ++s) {
@@ -135,19 +145,13 @@ FLEXPAGE_DOT_TARGET void pv(const uint16_t* A, const uint16_t* B, float* C, int6
   }
   if (k < K) {  // an odd last row pairs with zeros (and A's next element is never read)
     const __m256i r0 = _mm256_maskz_loadu_epi16(cols, B + k * ldb);
-    const __m512i b = _mm512_permutexvar_epi16(interleave, _mm512_castsi256_si512(r0));
+    const __m512i b = _mm512_permutexvar_epi16(interleave, _mm512_zextsi256_si512(r0));  // partner lanes 0
     for (int64_t m = 0; m < BLOCK_M; ++m) {
       const __m512i a = _mm512_set1_epi32(static_cast<int32_t>(A[m * lda + k]));
       acc[0][m] = _mm512_dpbf16_ps(acc[0][m], (__m512bh)a, (__m512bh)b);
     }
   }
-  for (int64_t m = 0; m < BLOCK_M; ++m) {
-    __m512 sum = acc[0][m];
-    for (int64_t s = 1; s < S; ++s) {
-      sum = _mm512_add_ps(sum, acc[s][m]);
-    }
-    _mm512_mask_storeu_ps(C + m * ldc, cols, sum);
-  }
+  store_rows<S, BLOCK_M>(acc, C, ldc, cols);
 }
 #undef FLEXPAGE_DOT_TARGET
 }  // namespace flexpage_dot_bf16
