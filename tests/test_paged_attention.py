@@ -225,6 +225,53 @@ def test_tuned_cpu_template_is_used_only_for_flexpage_kernels(monkeypatch: pytes
     assert "std::find(kv_indice_list" in stock_code
 
 
+def test_avx2_float32_prefill_kernels_run_the_avx2_q_k_helper_and_plain_index_loads(monkeypatch: pytest.MonkeyPatch):
+    """In AVX2 code (a CPU without AVX-512, or ``ATEN_CPU_CAPABILITY=avx2``) float32 prefill
+    query blocks compute q @ k^T with ``_avx2_fp32.h`` in row blocks, and the mask code loads
+    its key indices with plain full-width loads; AVX-512 code has neither. Either way the
+    prefill (query blocks with row and column tails) equals the reference."""
+    import re
+
+    from torch._inductor import config as inductor_config
+    from torch._inductor.cpu_vec_isa import VecAVX512, pick_vec_isa
+    from torch._inductor.utils import run_and_get_code
+
+    from flexpage.attention import flex
+
+    def fresh_code_object(*args):  # Dynamo caches per code object: compile anew, whatever ran before
+        return flex._gathered_group_attention(*args)
+
+    monkeypatch.setattr(flex, "_compiled_gathered_group_attention",
+                        torch.compile(fresh_code_object, dynamic=False, fullgraph=True))
+    step = causal_case(PREFILL_ONLY, FP32_GQA_D64)
+    with inductor_config.patch(force_disable_caches=True):
+        out, codes = run_and_get_code(step.run, compile=True)
+    assert rel_err(out, step.reference()) < FP32_GQA_D64.tol
+    code = "\n".join(codes)
+    avx2 = not isinstance(pick_vec_isa(), VecAVX512)
+    assert ("flexpage_avx2_fp32::qk<BLOCK_M, accum>" in code) is avx2
+    assert "transpose_b_kernel<16, 16" in code  # prefill rows are blocked on either ISA
+    if avx2:
+        assert "VectorizedN<int64_t,2>::loadu(in_ptr4 + static_cast<int64_t>(x1));" in code
+        assert not re.search(r"VectorizedN<int64_t,2>::loadu\([^;]*, static_cast<int64_t>\(8\)\);", code)
+
+
+def test_only_full_width_counted_int64_loads_become_plain_loads():
+    """The AVX2 rewrite of Inductor's mask code touches a counted int64 load only where the
+    count fills the vectors (2 x 4 lanes) and is the load's last argument; tail loads, whose
+    counts are expressions, and partial counts keep their counts."""
+    from flexpage.attention._cpu_template_tuning import _full_int64_loads
+
+    load = "auto tmp0 = at::vec::VectorizedN<int64_t,2>::loadu(in_ptr4 + static_cast<int64_t>(x1)"
+    assert _full_int64_loads(load + ", static_cast<int64_t>(8));") == load + ");"
+    tail = (load + ", static_cast<int64_t>(cur_kvSplitSize + (-8L)*(c10::div_floor_integer("
+            "static_cast<int64_t>(cur_kvSplitSize), static_cast<int64_t>(8L)))));")
+    partial = load + ", static_cast<int64_t>(4));"
+    other_type = "auto tmp1 = at::vec::Vectorized<float>::loadu(in_ptr0 + x1, static_cast<int64_t>(8));"
+    for kept in (tail, partial, other_type):
+        assert _full_int64_loads(kept) == kept
+
+
 # ---- kernel key blocks of several pages -------------------------------------------------------
 
 RUN = 4  # pages per kernel key block in these tests (the engine uses 128-token blocks)

@@ -29,7 +29,10 @@ a pair of bf16 products per float32 lane, no widening, half the shuffles of the 
 transposed tile. float32 decode keeps ``brgemm`` and one-row
 blocks (a fast sgemm there; both changes measured slower); float32 prefill query blocks
 (32 rows) block 16 rows in the q@k^T micro-gemm: 1.4-2x faster prefill calls
-(``bench/prefill.py``). Numerics are identical up to float summation order.
+(``bench/prefill.py``). In AVX2 code (no AVX-512) only float32 prefill is tuned that way,
+and its q@k^T runs on ``_avx2_fp32.h`` (the stock AVX2 transposed micro-gemm gains nothing
+from row blocks); its mask code loads key indices with plain loads (:func:`_full_int64_loads`).
+Numerics are identical up to float summation order.
 
 Where the kernel packs K and V into the VNNI layout for its AMX brgemm (bf16/fp16 query
 blocks of 64+ rows on CPUs with AMX), the stock template packs every key block of the pool
@@ -48,6 +51,7 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Any, NamedTuple
 from types import SimpleNamespace
@@ -62,11 +66,12 @@ DETERMINISTIC_OPTION = "FLEXPAGE_DETERMINISTIC_CPU_TEMPLATE"
 #: only with :data:`TUNED_OPTION`, never deterministic
 DOT_BF16_OPTION = "FLEXPAGE_AVX512_BF16_DOT"
 DOT_BF16_ENV_SWITCH = "FLEXPAGE_BF16_DOT"  # "0": stock bf16 micro-gemms (for comparisons)
-TUNING_VERSION = 18  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
+TUNING_VERSION = 19  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
 # 6: no K/V packing buffers unless packing; 7: only the visited key blocks are packed;
 # 12: float32 prefill micro-gemms block up to 16 rows (8-11: experiments);
 # 13: AVX2 kernels never pack and keep stock micro-gemms; 14-15: deterministic kernels;
-# 16-17: deterministic kernels block rows too; 18: bf16 dot-product micro-gemms
+# 16-17: deterministic kernels block rows too; 18: bf16 dot-product micro-gemms;
+# 19: AVX2 float32 prefill blocks rows, q @ k^T on _avx2_fp32.h; AVX2 full-width int64 loads plain
 _MAX_BLOCK_M = 16  # float32 prefill: 8 rows 10-15% slower, 32 no faster
 _MIN_FP32_BLOCKED_ROWS = 16  # decode blocks (1-8 packed query heads) keep one-row blocking in float32
 _STOCK_PV_BRANCH = "          if (!std::is_same_v<scalar_t, at::Half>) {\n            at::native::cpublas::brgemm("
@@ -96,6 +101,17 @@ _DOT_BF16_CALL = """\
 """
 _DOT_BF16_SOURCE = Path(__file__).with_name("_dot_bf16.h").read_text()
 _DOT_BF16_HELPERS = "{% raw %}" + _DOT_BF16_SOURCE + "{% endraw %}\n"
+# Row-blocked float32 kernels compiled for AVX2 compute q @ k^T with _avx2_fp32.h there
+# (bump TUNING_VERSION when the header changes: nothing else puts it in the cache key).
+_AVX2_FP32_CALL = """\
+{%- if input_dtype == torch.float and input2_dtype == torch.float and trans_b and alpha == 1 %}
+    if (K % 8 == 0) {  // flexpage: AVX2 q @ k^T, scores reduced eight at a time
+        flexpage_avx2_fp32::qk<BLOCK_M, accum>(A, B, C, {{ "N" if tail_n else "BLOCK_N" }}, K, lda, ldb, ldc);
+        return;
+    }
+{%- endif %}
+"""
+_AVX2_FP32_HELPERS = "{% raw %}" + Path(__file__).with_name("_avx2_fp32.h").read_text() + "{% endraw %}\n"
 
 # Text edits of the stock template (each must match exactly once, else nothing is tuned).
 _LEAN_EDITS = (
@@ -370,12 +386,21 @@ def apply() -> bool:
             return chosen
         return reduced_template if _is_reduced(self) and _compiles_avx512() else lean_template
 
+    stock_modification = template_cls.modification
+
+    def modification(self, *args: Any, **kwargs: Any) -> str:
+        code = stock_modification(self, *args, **kwargs)
+        if getattr(self, "flexpage_tuned", False) and not _compiles_avx512():
+            code = _full_int64_loads(code)
+        return code
+
     stock_micro_gemm_define = template_cls.micro_gemm_define
 
     def micro_gemm_define(self, kernel_name: str) -> str:
         # deterministic kernels block rows wherever tuned ones may, whatever the query block: a
         # decode row must get the arithmetic of the same token's row in a prefill block
-        blocked = _rows_blocked(self) or (getattr(self, "flexpage_deterministic", False) and _compiles_avx512())
+        deterministic = getattr(self, "flexpage_deterministic", False)
+        blocked = (_rows_blocked(self) and not deterministic) or (deterministic and _compiles_avx512())
         if not (getattr(self, "flexpage_tuned", False) and blocked):
             return stock_micro_gemm_define(self, kernel_name)
         stock_gemm = cpp_micro_gemm.CppMicroGemmFP32Vec
@@ -385,6 +410,8 @@ def apply() -> bool:
             kernel_text = kernel_text.replace(_STOCK_TRANSPOSED_CHOICE, _DETERMINISTIC_TRANSPOSED_CHOICE)
         if self.flexpage_dot_bf16:
             kernel_text = _DOT_BF16_HELPERS + kernel_text.replace(_KERNEL_BODY_START, _KERNEL_BODY_START + _DOT_BF16_CALL)
+        if not (_compiles_avx512() or self.flexpage_deterministic):
+            kernel_text = _AVX2_FP32_HELPERS + kernel_text.replace(_KERNEL_BODY_START, _KERNEL_BODY_START + _AVX2_FP32_CALL)
 
         class RowBlockedGemm(stock_gemm):  # type: ignore[misc, valid-type]
             TEMPLATE_KERNEL = kernel_text
@@ -404,6 +431,7 @@ def apply() -> bool:
     template_cls.__init__ = __init__
     template_cls.choose_flex_template = choose_flex_template
     template_cls.micro_gemm_define = micro_gemm_define
+    template_cls.modification = modification
     template_cls._flexpage_tuning = True
     return True
 
@@ -442,13 +470,34 @@ def _is_reduced(template: Any) -> bool:
     return template.input_nodes[0].get_dtype() in (torch.bfloat16, torch.float16)
 
 
+# In AVX2 code a load of int64 vectors given a count (ATen's ``Vectorized<int64_t>::loadu(ptr,
+# count)``) copies the elements through a stack buffer even when the count fills the vector, and
+# the wide load that follows stalls on the narrower stores (store forwarding). Inductor's mask and
+# score code loads the key indices that way in its main loop, with the loop's full width: on an
+# AMD EPYC (Zen 3) those loads were ~10% of a 4 x 256 float32 prefill call. A full-width count
+# means the plain load, which is what the tuned kernels get.
+_FULL_INT64_LOAD = re.compile(r"(at::vec::VectorizedN<int64_t,(\d+)>::loadu\([^;]*?), static_cast<int64_t>\((\d+)L?\)\)(?=;)")
+_INT64_LANES_AVX2 = 4
+
+
+def _full_int64_loads(code: str) -> str:
+    """``code`` (AVX2 mask or score code) with full-width counted int64 loads made plain loads."""
+    def plain(match: re.Match) -> str:
+        vectors, count = int(match.group(2)), int(match.group(3))
+        return match.group(1) + ")" if count == vectors * _INT64_LANES_AVX2 else match.group(0)
+
+    return _FULL_INT64_LOAD.sub(plain, code)
+
+
 def _rows_blocked(template: Any) -> bool:
-    """Micro-gemms block ``min(query block rows, 16)`` rows: for bf16/fp16, and for float32
-    prefill query blocks (there the stock one-row blocking reloads each key tile per row).
-    AVX-512 code only: compiled for AVX2, the row-blocked float32 micro-gemm gave wrong
-    prefill results (relative error 0.1-0.2, any row count from 4), so AVX2 stays stock."""
+    """Micro-gemms block ``min(query block rows, 16)`` rows: in AVX-512 code for bf16/fp16,
+    and for float32 prefill query blocks (there the stock one-row blocking reloads each key
+    tile per row). In AVX2 code for float32 prefill query blocks only, whose q @ k^T then
+    runs on ``_avx2_fp32.h``; AVX2 bf16/fp16 kernels stay stock. (Deterministic kernels
+    decide in ``micro_gemm_define``.)"""
     if not _compiles_avx512():
-        return False
+        return (template.input_nodes[0].get_dtype() == torch.float32
+                and int(template.q_block_size) >= _MIN_FP32_BLOCKED_ROWS)
     return _is_reduced(template) or int(template.q_block_size) >= _MIN_FP32_BLOCKED_ROWS
 
 
