@@ -258,8 +258,8 @@ def test_avx2_float32_prefill_kernels_run_the_avx2_q_k_helper_and_plain_index_lo
 
 def test_only_full_width_counted_int64_loads_become_plain_loads():
     """The AVX2 rewrite of Inductor's mask code touches a counted int64 load only where the
-    count fills the vectors (2 x 4 lanes) and is the load's last argument; tail loads, whose
-    counts are expressions, and partial counts keep their counts."""
+    count fills the vectors (2 x 4 lanes) and is the load's own last argument; tail loads,
+    whose counts are expressions, partial counts and other calls' arguments are kept."""
     from flexpage.attention._cpu_template_tuning import _full_int64_loads
 
     load = "auto tmp0 = at::vec::VectorizedN<int64_t,2>::loadu(in_ptr4 + static_cast<int64_t>(x1)"
@@ -268,7 +268,8 @@ def test_only_full_width_counted_int64_loads_become_plain_loads():
             "static_cast<int64_t>(cur_kvSplitSize), static_cast<int64_t>(8L)))));")
     partial = load + ", static_cast<int64_t>(4));"
     other_type = "auto tmp1 = at::vec::Vectorized<float>::loadu(in_ptr0 + x1, static_cast<int64_t>(8));"
-    for kept in (tail, partial, other_type):
+    later_call = load + ", n) + f(q, static_cast<int64_t>(8));"  # the count is another call's
+    for kept in (tail, partial, other_type, later_call):
         assert _full_int64_loads(kept) == kept
 
 

@@ -484,9 +484,22 @@ def _full_int64_loads(code: str) -> str:
     """``code`` (AVX2 mask or score code) with full-width counted int64 loads made plain loads."""
     def plain(match: re.Match) -> str:
         vectors, count = int(match.group(2)), int(match.group(3))
-        return match.group(1) + ")" if count == vectors * _INT64_LANES_AVX2 else match.group(0)
+        if count != vectors * _INT64_LANES_AVX2 or not _closes_at_end(match.group(0)):
+            return match.group(0)
+        return match.group(1) + ")"
 
     return _FULL_INT64_LOAD.sub(plain, code)
+
+
+def _closes_at_end(call: str) -> bool:
+    """Whether the first parenthesis of ``call`` closes at its last character (the count is the
+    load's own last argument, not some later call's)."""
+    depth = 0
+    for i, char in enumerate(call[call.index("("):]):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0:
+            return i == len(call) - call.index("(") - 1
+    return False
 
 
 def _rows_blocked(template: Any) -> bool:
