@@ -495,10 +495,10 @@ def _closes_at_end(call: str) -> bool:
     """Whether the first parenthesis of ``call`` closes at its last character (the count is the
     load's own last argument, not some later call's)."""
     depth = 0
-    for i, char in enumerate(call[call.index("("):]):
-        depth += {"(": 1, ")": -1}.get(char, 0)
+    for at in range(call.index("("), len(call)):
+        depth += {"(": 1, ")": -1}.get(call[at], 0)
         if depth == 0:
-            return i == len(call) - call.index("(") - 1
+            return at == len(call) - 1
     return False
 
 
@@ -508,10 +508,10 @@ def _rows_blocked(template: Any) -> bool:
     tile per row). In AVX2 code for float32 prefill query blocks only, whose q @ k^T then
     runs on ``_avx2_fp32.h``; AVX2 bf16/fp16 kernels stay stock. (Deterministic kernels
     decide in ``micro_gemm_define``.)"""
-    if not _compiles_avx512():
-        return (template.input_nodes[0].get_dtype() == torch.float32
-                and int(template.q_block_size) >= _MIN_FP32_BLOCKED_ROWS)
-    return _is_reduced(template) or int(template.q_block_size) >= _MIN_FP32_BLOCKED_ROWS
+    prefill = int(template.q_block_size) >= _MIN_FP32_BLOCKED_ROWS
+    if _compiles_avx512():
+        return _is_reduced(template) or prefill
+    return prefill and template.input_nodes[0].get_dtype() == torch.float32
 
 
 def _compiles_avx512() -> bool:
