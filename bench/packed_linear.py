@@ -23,7 +23,7 @@ from bench.throughput import median_ms
 #: (output, input) features of SmolLM2-135M's projections; the per-layer ones run 30 times a forward
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 LAYERS = 30
-ROWS = (1, 16, 64, 256, 1024)
+ROWS = (1, 2, 8, 16, 48, 64, 256, 1024)
 BATCH_HINT = 64
 
 

@@ -149,7 +149,7 @@ class CompiledStep:
         """The rows a projection computes for ``rows`` inputs: the packed linears' bucket (one
         oneDNN kernel per bucket), or whole row tiles."""
         tile = self.shape.row_tile
-        return padded_rows(rows) if tile is None else -(-rows // tile) * tile
+        return padded_rows(rows, self.decoder.lm_head.row_step) if tile is None else -(-rows // tile) * tile
 
 
 def _weight_and_bias(linear: PackedLinear) -> tuple[Tensor, Tensor | None]:

@@ -9,9 +9,11 @@ the same results (the same oneDNN kernel, minus the reorder: bit-identical on th
 AVX512-BF16 CPUs tried, though oneDNN may pick another kernel elsewhere). Inductor's
 ``freezing`` pass does the same for compiled models; this applies it to eager layers.
 
-Only bf16 weights on CPUs where oneDNN runs bf16 are packed: float32 gains nothing here
-(MKL's packed path measured 0.99-1.05x of ``F.linear``), other dtypes and devices keep
-``F.linear``.
+bf16 weights are packed on CPUs where oneDNN runs bf16, float32 weights wherever oneDNN is
+built in: on the 2-core AMD EPYC Zen 3 (AVX2), one forward's worth of SmolLM2's projections
+took 0.42-0.44x the time of ``F.linear`` (MKL) at 2-8 rows, 0.62-0.84x at 16-64 and the same
+from 256 rows (``bench/packed_linear.py``); MKL's own packed path had measured 0.99-1.05x of
+``F.linear`` on the Intel Xeon. Other dtypes and devices keep ``F.linear``.
 
 Row counts come in buckets (:func:`padded_rows`). oneDNN builds and caches a kernel for every
 input shape it meets: on the AMX test machine a 576->1536 projection took 2.9 ms and ~0.9 MiB
@@ -20,10 +22,11 @@ A server meets every row count from 1 to ``max_num_batched_tokens``: its RSS gre
 in a 6-minute soak (``bench/soak.py``), and each first-seen count stalled its step. Inputs are
 zero-padded to one of ~20 bucket sizes up to 1024 rows instead (at most 25% extra rows above
 128), and :meth:`PackedLinear.prime` builds every bucket's kernel up front. Below 128 rows
-the buckets step by 16 rows on CPUs with AMX, whose tiles hold 16 rows (a bf16 matmul of 1
+the bf16 buckets step by 16 rows on CPUs with AMX, whose tiles hold 16 rows (a bf16 matmul of 1
 or 16 rows costs the same, 80 us), and by 8 elsewhere: with AVX512-BF16 alone, one
 forward's projections of SmolLM2 take 16-18 ms for 1 to 8 rows and 27.6 ms for 16, so
-padding a lone decode row to 16 cost a third of its step.
+padding a lone decode row to 16 cost a third of its step. float32 steps by 2 rows (below 16):
+its cost grows from 2 rows on (on the Zen 3, 15.8 ms for 2 rows, 22.4 ms for 8).
 """
 
 from __future__ import annotations
@@ -34,13 +37,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["PackedLinear", "can_prepack", "padded_rows", "tiled_linear", "tiled_rows"]
+__all__ = ["PackedLinear", "can_prepack", "padded_rows", "row_step", "tiled_linear", "tiled_rows"]
 
 #: the row count oneDNN tunes the packed layout for (a decode batch); any count works
 _BATCH_HINT = 64
-#: packed inputs are padded to a multiple of this many rows at least: 16 where AMX tiles hold 16
-#: rows (fewer cost as much), 8 where the vector kernels' cost grows with the rows
-ROW_STEP = 16 if torch.cpu._is_amx_tile_supported() else 8
+
+
+def row_step(dtype: torch.dtype) -> int:
+    """Packed inputs of ``dtype`` are padded to a multiple of this many rows at least: bf16 16
+    where AMX tiles hold 16 rows (fewer cost as much), 8 where the vector kernels' cost grows
+    with the rows; float32 2 (its cost grows from 2 rows; and the compiled step needs 2)."""
+    if dtype == torch.float32:
+        return 2
+    return 16 if torch.cpu._is_amx_tile_supported() else 8
+
+
+#: the row step of bf16 weights, the dtype most callers pad for
+ROW_STEP = row_step(torch.bfloat16)
 
 
 def padded_rows(rows: int, row_step: int = ROW_STEP) -> int:
@@ -53,13 +66,13 @@ def padded_rows(rows: int, row_step: int = ROW_STEP) -> int:
 
 
 def can_prepack(weight: Tensor) -> bool:
-    """True when ``weight`` would run faster packed for oneDNN (bf16, CPU, oneDNN bf16 support)."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    """True when ``weight`` would run faster packed for oneDNN (on the CPU: float32 wherever
+    oneDNN is built in, bf16 where oneDNN has bf16 kernels)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    return weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def tiled_rows(matmul: Callable[[Tensor], Tensor], x: Tensor, row_tile: int) -> Tensor:
@@ -125,6 +138,7 @@ class PackedLinear:
         self.packed = prepack and can_prepack(weight)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT) if self.packed else weight
         self.row_tile = row_tile
+        self.row_step = row_step(weight.dtype)
 
     def __call__(self, x: Tensor) -> Tensor:
         """``x``: ``[rows, in_features]`` -> ``[rows, out_features]``."""
@@ -133,7 +147,7 @@ class PackedLinear:
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]
-        padded = padded_rows(rows)
+        padded = padded_rows(rows, self.row_step)
         x = F.pad(x, (0, 0, 0, padded - rows)) if padded != rows else x.contiguous()
         out = _linear(x, self.weight, self.bias, True)
         return out[:rows] if padded != rows else out
@@ -146,6 +160,6 @@ class PackedLinear:
         if self.row_tile is not None:  # one shape
             self(torch.zeros(self.row_tile, self.in_features, dtype=self.weight.dtype))
             return
-        x = torch.zeros(padded_rows(max_rows), self.in_features, dtype=self.weight.dtype)
-        for rows in sorted({padded_rows(r) for r in range(1, max_rows + 1)}):
+        x = torch.zeros(padded_rows(max_rows, self.row_step), self.in_features, dtype=self.weight.dtype)
+        for rows in sorted({padded_rows(r, self.row_step) for r in range(1, max_rows + 1)}):
             self(x[:rows])
