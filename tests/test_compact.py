@@ -11,6 +11,9 @@
 
 from __future__ import annotations
 
+import gc
+import pathlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -91,6 +94,28 @@ def test_packed_decoder_releases_the_hf_weights_it_took(tiny_model):
     assert attn.q_proj.weight.is_meta and attn.v_proj.weight.is_meta and model.model.layers[0].mlp.down_proj.weight.is_meta
     assert model.lm_head.weight.is_meta  # untied in the tiny configs: packed like the projections
     assert not model.model.embed_tokens.weight.is_meta  # still read by the embedding lookup
+
+
+def test_a_packed_decoder_lets_go_of_the_memory_mapped_checkpoint(tiny_model):
+    """transformers maps a checkpoint of the model's dtype into memory and its weights are views
+    of that mapping: once the projections are packed, the weights kept as they are (embedding,
+    norms) get memory of their own, so the whole file does not stay mapped (and resident)."""
+    folder = tiny_model("llama")
+    model = load_reference(folder)
+    checkpoint = str(next(folder.glob("*.safetensors")).resolve())
+
+    def mapped() -> bool:
+        return checkpoint in pathlib.Path("/proc/self/maps").read_text()
+
+    if not mapped():
+        pytest.skip("transformers did not memory-map this checkpoint")
+    embedding = model.model.embed_tokens.weight.clone()
+    decoder = CompactDecoder(model)
+    if not decoder.lm_head.packed:
+        pytest.skip("this torch has no oneDNN: nothing is packed")
+    gc.collect()
+    assert not mapped()
+    assert torch.equal(decoder.embed, embedding)
 
 
 def test_unpacked_decoder_shares_the_hf_weights():

@@ -98,6 +98,8 @@ class CompactDecoder:
             _release(head)
         self.rotary = base.rotary_emb
         self.layers = [self._take(layer, prepack, row_tile) for layer in base.layers]
+        if self.lm_head.packed:
+            _copy_unpacked_weights(model)
         _return_freed_memory()
 
     @staticmethod
@@ -217,6 +219,18 @@ def _return_freed_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (AttributeError, OSError):
         pass
+
+
+def _copy_unpacked_weights(model: torch.nn.Module) -> None:
+    """Give the weights still used as they are (embedding, norms) memory of their own.
+
+    Why: transformers memory-maps a safetensors file whose dtype is the model's, and every
+    weight is a view of that one mapping: while the embedding still points into it, the
+    whole file stays mapped and resident after the projections were packed and released
+    (SmolLM2-135M in float32: 2,464 MB of RSS after loading, 2,059 MB with this)."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if not tensor.is_meta:
+            tensor.data = tensor.data.clone()
 
 
 def _release(linear: torch.nn.Linear) -> None:
