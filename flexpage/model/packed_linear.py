@@ -20,7 +20,7 @@ input shape it meets: on the AMX test machine a 576->1536 projection took 2.9 ms
 of memory per new row count, and ideep's cache keeps up to 1024 of them (``LRU_CACHE_CAPACITY``).
 A server meets every row count from 1 to ``max_num_batched_tokens``: its RSS grew by ~370 MiB
 in a 6-minute soak (``bench/soak.py``), and each first-seen count stalled its step. Inputs are
-zero-padded to one of ~20 bucket sizes up to 1024 rows instead (at most 25% extra rows above
+zero-padded to one of 20-32 bucket sizes up to 1024 rows instead (at most 25% extra rows above
 128), and :meth:`PackedLinear.prime` builds every bucket's kernel up front. Below 128 rows
 the bf16 buckets step by 16 rows on CPUs with AMX, whose tiles hold 16 rows (a bf16 matmul of 1
 or 16 rows costs the same, 80 us), and by 8 elsewhere: with AVX512-BF16 alone, one
