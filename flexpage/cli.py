@@ -151,6 +151,8 @@ def serve(
                                                 "address space the OS backs on first write; no prefix caching)."),
     kv_resident_bytes: Optional[str] = typer.Option(None, help="With --kv-layout virtual: KV memory in use at once, "
                                                                "e.g. 2GiB [default: --kv-cache-memory]."),
+    quantization: str = typer.Option("auto", help="auto (a GGUF model's Q4_1 projections read their blocks for "
+                                                  "decode-sized batches, float32 only) | none (float32 weights)."),
     tensor_parallel_size: int = typer.Option(1, help="Ranks that each hold 1/N of every layer and of the KV heads "
                                                      "(spawned on this host; or start ranks with torchrun -m "
                                                      "flexpage.worker, see docs/scaling.md)."),
@@ -186,7 +188,7 @@ def serve(
         enable_prefix_caching=not no_prefix_caching, swap_space=swap_space, preemption_mode=preemption_mode,
         kv_budget_tokens=kv_budget, kv_eviction=kv_eviction, host_kv_bytes=host_kv_bytes, disk_kv_dir=disk_kv_dir,
         disk_kv_bytes=disk_kv_bytes, kv_tier_policy=kv_tier_policy, kv_layout=kv_layout,
-        kv_resident_bytes=kv_resident_bytes, tensor_parallel_size=tensor_parallel_size,
+        kv_resident_bytes=kv_resident_bytes, tensor_parallel_size=tensor_parallel_size, quantization=quantization,
         tensor_parallel_timeout=tensor_parallel_timeout, seed=seed, max_request_body=max_request_body,
         drain_timeout=drain_timeout, warmup=warmup,
         log_level=log_level,

@@ -60,6 +60,8 @@ def check_kv_budget(name: str, budget: object, block_size: int, deterministic: b
 
 #: ``EngineConfig.model_impl`` values (vLLM's ``--model-impl``)
 MODEL_IMPLS = ("auto", "flexpage", "transformers")
+#: EngineConfig.quantization values
+QUANTIZATIONS = ("auto", "none")
 
 
 @dataclass(slots=True)
@@ -123,6 +125,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # seconds a rank waits in a collective for a peer before the engine fails (a hung rank)
     tensor_parallel_timeout: float = 120.0
+    # "auto": a GGUF model's Q4_1 projections read their blocks for decode-sized inputs (float32,
+    # flexpage.model.gguf_linear; same weights, a fifth of the bytes); "none": float32 weights only
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "attention_block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -164,6 +169,8 @@ class EngineConfig:
             raise ValueError(f"kv_tier_policy: got {self.kv_tier_policy!r}, expected one of {TIER_POLICIES}")
         self._check_kv_layout()
         self._check_tensor_parallel()
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: got {self.quantization!r}, expected one of {QUANTIZATIONS}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode: got {self.preemption_mode!r}, expected 'recompute' or 'swap'")
 

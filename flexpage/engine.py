@@ -30,7 +30,7 @@ from flexpage.model.detokenizer import IncrementalDetokenizer
 from flexpage.model.kv_eviction import block_scores, resolve_eviction_policy
 from flexpage.model.kv_tier_storage import TierStorage
 from flexpage.model.dtypes import default_dtype, parse_dtype
-from flexpage.model.loader import load_hf_model, load_tokenizer, resolve_model_path
+from flexpage.model.loader import gguf_source, load_hf_model, load_tokenizer, resolve_model_path
 from flexpage.model.layer_recipes import engine_recipes
 from flexpage.model.runner import ModelRunner, StepInputs, layer_groups_for
 from flexpage.model.sampler import TokenHistory, make_generator, sample
@@ -116,12 +116,14 @@ class LLMEngine:
         virtual_rows = config.max_num_seqs * len(self.layer_groups) if config.kv_layout == "virtual" else 0
         if virtual_rows and config.kv_resident_bytes is not None:
             num_blocks = max(2, parse_size(config.kv_resident_bytes, "kv_resident_bytes") // bytes_per_block)
+        gguf = gguf_source(path) if config.quantization == "auto" else None  # Q4_1 blocks read from it
         runner_kwargs = dict(num_blocks=(virtual_rows + 1) * row_length if virtual_rows else num_blocks,
                              block_size=config.block_size, compile=compile,
                              num_host_blocks=parse_size(config.swap_space) // bytes_per_block,
                              blocks_per_attention_block=run_length, model_impl=config.model_impl,
                              deterministic=config.deterministic, compile_step=config.compile_step,
-                             kv_layout=config.kv_layout)
+                             kv_layout=config.kv_layout,
+                             gguf_path=None if gguf is None else str(gguf))
         #: rank 0's runner of a tensor-parallel group (it keeps the other ranks in step), or the runner
         self.runner: ModelRunner | LeaderRunner
         if config.tensor_parallel_size > 1:

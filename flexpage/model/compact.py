@@ -22,7 +22,7 @@ through HF's modules; :func:`supports` says which path a model takes.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +40,8 @@ _LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 #: ``attend(layer, q [T, H, D], k [T, H_kv, D], v [T, H_kv, D]) -> [T, H, D]``
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+#: a projection's Q4_1 blocks, or None
+_BlocksOf = Callable[[torch.nn.Linear], "Tensor | None"]
 
 
 def supports(model: torch.nn.Module) -> bool:
@@ -70,13 +72,16 @@ class CompactDecoder:
     """The decoder stack and LM head of a Llama-family HF model, over a flat token batch."""
 
     def __init__(self, model: torch.nn.Module, *, prepack: bool = True, row_tile: int | None = None,
-                 parallel: TensorParallel | None = None) -> None:
+                 parallel: TensorParallel | None = None, q4_1_blocks: Mapping[str, Tensor] | None = None) -> None:
         """``row_tile``: every projection computes this many rows per call (deterministic mode,
         see :func:`~flexpage.model.packed_linear.tiled_rows`); None: one call per projection.
 
         ``parallel``: ``model`` holds this rank's share (:func:`~flexpage.model.sharding.shard_llama`):
         the embedding is looked up and the o and down projections' outputs summed across ranks,
-        and the LM head's vocabulary slices are gathered."""
+        and the LM head's vocabulary slices are gathered.
+
+        ``q4_1_blocks``: projection weights as GGUF Q4_1 blocks by HF parameter name
+        (:func:`~flexpage.model.gguf_linear.q4_1_blocks`), read for decode-sized inputs."""
         if not supports(model):
             raise ValueError(f"model: a {type(model).__name__} (model_type={model.config.model_type!r}) is not a "
                              f"Llama-family decoder ({', '.join(sorted(_LLAMA_FAMILY))} with SiLU MLPs)")
@@ -97,18 +102,24 @@ class CompactDecoder:
         if self.lm_head.packed and not tied:  # a tied head's weight is the embedding, still needed
             _release(head)
         self.rotary = base.rotary_emb
-        self.layers = [self._take(layer, prepack, row_tile) for layer in base.layers]
+        names = {module: name for name, module in model.named_modules()}
+        quantized = q4_1_blocks or {}
+
+        def blocks_of(linear: torch.nn.Linear) -> Tensor | None:
+            return quantized.get(f"{names[linear]}.weight")
+
+        self.layers = [self._take(layer, prepack, row_tile, blocks_of) for layer in base.layers]
         if self.lm_head.packed:
             _copy_unpacked_weights(model)
         _return_freed_memory()
 
     @staticmethod
-    def _take(layer: torch.nn.Module, prepack: bool, row_tile: int | None) -> _Layer:
+    def _take(layer: torch.nn.Module, prepack: bool, row_tile: int | None, blocks_of: _BlocksOf) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
 
         def fused(*linears: torch.nn.Linear) -> PackedLinear:
-            return _fused(prepack, row_tile, *linears)
+            return _fused(prepack, row_tile, blocks_of, *linears)
 
         return _Layer(
             qkv=fused(attn.q_proj, attn.k_proj, attn.v_proj), o=fused(attn.o_proj),
@@ -180,16 +191,19 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def _fused(prepack: bool, row_tile: int | None, *linears: torch.nn.Linear) -> PackedLinear:
-    """One projection for several HF projections of the same input (outputs stacked by rows).
+def _fused(prepack: bool, row_tile: int | None, blocks_of: _BlocksOf, *linears: torch.nn.Linear) -> PackedLinear:
+    """One projection for several HF projections of the same input (outputs stacked by rows),
+    with their Q4_1 blocks stacked alike where every one has them.
 
     The HF modules give their weights up: packed, their parameters are released (replaced
     by empty meta tensors, so a forgotten HF call fails loudly instead of running on stale
     weights); unpacked, they become views into the fused weight (a single projection is
     used as it is).
     """
+    blocks = [blocks_of(linear) for linear in linears]
+    stacked = None if any(b is None for b in blocks) else torch.cat(blocks)  # type: ignore[arg-type]
     if len(linears) == 1:
-        fused = PackedLinear(linears[0].weight, linears[0].bias, prepack=prepack, row_tile=row_tile)
+        fused = PackedLinear(linears[0].weight, linears[0].bias, prepack=prepack, row_tile=row_tile, blocks=stacked)
         if fused.packed:
             _release(linears[0])
         return fused
@@ -197,7 +211,7 @@ def _fused(prepack: bool, row_tile: int | None, *linears: torch.nn.Linear) -> Pa
     biases = [linear.bias for linear in linears]
     bias = None if all(b is None for b in biases) else torch.cat(
         [b if b is not None else weight.new_zeros(linear.out_features) for b, linear in zip(biases, linears)])
-    fused = PackedLinear(weight, bias, prepack=prepack, row_tile=row_tile)
+    fused = PackedLinear(weight, bias, prepack=prepack, row_tile=row_tile, blocks=stacked)
     start = 0
     for linear in linears:
         rows = slice(start, start + linear.out_features)

@@ -20,7 +20,9 @@ What makes the graph cheap to build and to run:
   (:meth:`flexpage.attention.kv_pool.KVPool.layer`), written with ``index_copy_`` in the graph:
   views of one shared storage made Inductor copy whole pools around every write.
 * **Packed weights as inputs**, so that one graph serves every layer; Inductor lowers the
-  oneDNN call through :mod:`flexpage.attention._packed_linear_lowering`.
+  oneDNN call through :mod:`flexpage.attention._packed_linear_lowering`. A projection with
+  GGUF Q4_1 blocks passes them too, and runs ``flexpage::q4_1_linear``, which picks blocks or
+  packed weight by the row count at run time (:mod:`flexpage.model.gguf_linear`).
 * **Three graphs per model.** Token rows are padded to the packed linears' buckets
   (:func:`~flexpage.model.packed_linear.padded_rows`) outside the graph, the per-step sizes
   are dynamic and padded to at least 2 (Dynamo specialises a size of 1), and tensors keep
@@ -45,6 +47,7 @@ from flexpage.attention.kv_pool import KVPool
 from flexpage.attention.paging import AttentionGroup, PagedBatch
 from flexpage.attention.recipe import Recipe
 from flexpage.model.compact import CompactDecoder, rms_norm
+from flexpage.model.gguf_linear import q4_1_linear
 from flexpage.model.packed_linear import PackedLinear, padded_rows, tiled_linear
 from flexpage.model.tensor_parallel import TensorParallel
 
@@ -107,12 +110,12 @@ class CompiledStep:
             parallel=decoder.parallel, vocab_size=decoder.vocab_size,
         )
         self.layer_weights = tuple(
-            (layer.input_norm, *_weight_and_bias(layer.qkv), layer.q_norm, layer.k_norm, *_weight_and_bias(layer.o),
-             layer.post_norm, *_weight_and_bias(layer.gate_up), *_weight_and_bias(layer.down))
+            (layer.input_norm, *_weights(layer.qkv), layer.q_norm, layer.k_norm, *_weights(layer.o),
+             layer.post_norm, *_weights(layer.gate_up), *_weights(layer.down))
             for layer in decoder.layers
         )
         self.layer_pools = tuple(pool.layer(i) for i in range(len(decoder.layers)))
-        self.head = (decoder.final_norm, *_weight_and_bias(decoder.lm_head))
+        self.head = (decoder.final_norm, *_weights(decoder.lm_head))
         self.steps_run = 0  # steps this object ran (tests and profiles read it)
 
     @staticmethod
@@ -152,8 +155,9 @@ class CompiledStep:
         return padded_rows(rows, self.decoder.lm_head.row_step) if tile is None else -(-rows // tile) * tile
 
 
-def _weight_and_bias(linear: PackedLinear) -> tuple[Tensor, Tensor | None]:
-    return linear.weight, linear.bias
+def _weights(linear: PackedLinear) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """A projection's weight, its Q4_1 blocks (or None) and its bias, as the graph takes them."""
+    return linear.weight, linear.blocks, linear.bias
 
 
 def _kind(group: AttentionGroup) -> str | None:
@@ -256,7 +260,9 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
     group_size = heads // kv_heads
     kernel_options = dict(shape.kernel_options)
 
-    def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def linear(x: Tensor, weight: Tensor, blocks: Tensor | None, bias: Tensor | None) -> Tensor:
+        if blocks is not None:  # decode-sized inputs read the blocks, others the packed weight
+            return q4_1_linear(x, blocks, weight, bias)
         if shape.row_tile is not None:
             return tiled_linear(x, weight, bias, shape.packed, shape.row_tile)
         if shape.packed:
@@ -323,10 +329,10 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
 
     @torch.compiler.nested_compile_region
     def attention_inputs(hidden: Tensor, cos: Tensor, sin: Tensor, input_norm: Tensor, qkv_w: Tensor,
-                         qkv_b: Tensor | None, q_norm: Tensor | None, k_norm: Tensor | None,
+                         qkv_q4: Tensor | None, qkv_b: Tensor | None, q_norm: Tensor | None, k_norm: Tensor | None,
                          ) -> tuple[Tensor, Tensor, Tensor]:
         rows = hidden.shape[0]
-        qkv = linear(norm(hidden, input_norm), qkv_w, qkv_b)
+        qkv = linear(norm(hidden, input_norm), qkv_w, qkv_q4, qkv_b)
         qk = qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim)
         if shape.qk_norm:
             qk = torch.cat((norm(qk[:, :heads], q_norm), norm(qk[:, heads:], k_norm)), 1)
@@ -336,8 +342,9 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
 
     @torch.compiler.nested_compile_region
     def attention_and_mlp(hidden: Tensor, q: Tensor, k_pool: Tensor, v_pool: Tensor, o_w: Tensor,
-                          o_b: Tensor | None, post_norm: Tensor, gate_up_w: Tensor, gate_up_b: Tensor | None,
-                          down_w: Tensor, down_b: Tensor | None, *plan: Tensor) -> Tensor:
+                          o_q4: Tensor | None, o_b: Tensor | None, post_norm: Tensor, gate_up_w: Tensor,
+                          gate_up_q4: Tensor | None, gate_up_b: Tensor | None, down_w: Tensor,
+                          down_q4: Tensor | None, down_b: Tensor | None, *plan: Tensor) -> Tensor:
         out = hidden.new_zeros(hidden.shape[0], heads * dim)  # padding rows attend to nothing
         start = 0
         for kind, q_block, kv_block in groups:
@@ -350,23 +357,24 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
             else:
                 rows_out, tokens = prefill_attention(q, k_pool, v_pool, q_block, kv_block, *group_plan)
             out = out.index_copy(0, tokens, rows_out)
-        hidden = hidden + reduce(linear(out, o_w, o_b))
-        gate, up = linear(norm(hidden, post_norm), gate_up_w, gate_up_b).chunk(2, -1)
-        return hidden + reduce(linear(F.silu(gate) * up, down_w, down_b))
+        hidden = hidden + reduce(linear(out, o_w, o_q4, o_b))
+        gate, up = linear(norm(hidden, post_norm), gate_up_w, gate_up_q4, gate_up_b).chunk(2, -1)
+        return hidden + reduce(linear(F.silu(gate) * up, down_w, down_q4, down_b))
 
     def forward(embed: Tensor, layer_weights: tuple, layer_pools: tuple, head: tuple, token_ids: Tensor,
                 cos: Tensor, sin: Tensor, slots: Tensor, kv_rows: Tensor, sample_rows: Tensor, *plan: Tensor) -> Tensor:
         hidden = F.embedding(token_ids, embed) if shape.parallel is None else shape.parallel.embed(token_ids, embed)
         for weights, (k_pool, v_pool) in zip(layer_weights, layer_pools):
-            input_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_norm, gu_w, gu_b, down_w, down_b = weights
-            q, k, v = attention_inputs(hidden, cos, sin, input_norm, qkv_w, qkv_b, q_norm, k_norm)
+            (input_norm, qkv_w, qkv_q4, qkv_b, q_norm, k_norm, o_w, o_q4, o_b, post_norm, gu_w, gu_q4, gu_b,
+             down_w, down_q4, down_b) = weights
+            q, k, v = attention_inputs(hidden, cos, sin, input_norm, qkv_w, qkv_q4, qkv_b, q_norm, k_norm)
             # in place, on tensors that alias nothing else in the graph (see the module docstring)
             k_pool.index_copy_(2, slots, k.index_select(0, kv_rows).transpose(0, 1)[None])
             v_pool.index_copy_(2, slots, v.index_select(0, kv_rows).transpose(0, 1)[None])
-            hidden = attention_and_mlp(hidden, q, k_pool, v_pool, o_w, o_b, post_norm, gu_w, gu_b, down_w, down_b,
-                                       *plan)
-        final_norm, lm_w, lm_b = head
-        logits = linear(norm(hidden[sample_rows], final_norm), lm_w, lm_b)
+            hidden = attention_and_mlp(hidden, q, k_pool, v_pool, o_w, o_q4, o_b, post_norm, gu_w, gu_q4, gu_b,
+                                       down_w, down_q4, down_b, *plan)
+        final_norm, lm_w, lm_q4, lm_b = head
+        logits = linear(norm(hidden[sample_rows], final_norm), lm_w, lm_q4, lm_b)
         if shape.parallel is None:
             return logits
         return shape.parallel.gather_columns(logits)[:, : shape.vocab_size]

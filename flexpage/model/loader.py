@@ -38,6 +38,7 @@ __all__ = [
     "SMOLLM2_CHAT_TEMPLATE",
     "cache_dir",
     "default_model_dir",
+    "gguf_source",
     "load_hf_model",
     "load_tokenizer",
     "resolve_model_path",
@@ -350,6 +351,19 @@ def _fix_special_ids(model: Any, tokenizer: Any) -> None:
             token_id = getattr(tokenizer, f"{role}_token_id", None)
             if token_id is not None:
                 setattr(cfg, f"{role}_token_id", token_id)
+
+
+def gguf_source(model_dir: str | os.PathLike[str]) -> pathlib.Path | None:
+    """The GGUF file a converted folder was made from, while it is still there unchanged
+    (same size and modification time); None for any other folder."""
+    record_path = pathlib.Path(model_dir) / _PROVENANCE_FILE
+    try:
+        record = json.loads(record_path.read_text(encoding="utf-8"))
+        source = pathlib.Path(record["source_gguf"])
+        stat = source.stat()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return source if (stat.st_size, stat.st_mtime_ns) == (record.get("size"), record.get("mtime_ns")) else None
 
 
 def _write_provenance(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> None:

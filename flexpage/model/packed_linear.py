@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flexpage.model.gguf_linear import q4_1_linear
+
 __all__ = ["PackedLinear", "can_prepack", "padded_rows", "row_step", "tiled_linear", "tiled_rows"]
 
 #: the row count oneDNN tunes the packed layout for (a decode batch); any count works
@@ -132,13 +134,17 @@ class PackedLinear:
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None, *, prepack: bool = True,
-                 row_tile: int | None = None) -> None:
+                 row_tile: int | None = None, blocks: Tensor | None = None) -> None:
+        """``blocks``: ``weight`` as GGUF Q4_1 blocks (:mod:`~flexpage.model.gguf_linear`), read
+        for decode-sized inputs; used with a packed float32 weight and no row tile only."""
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.packed = prepack and can_prepack(weight)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT) if self.packed else weight
         self.row_tile = row_tile
         self.row_step = row_step(weight.dtype)
+        usable = self.packed and row_tile is None and weight.dtype == torch.float32
+        self.blocks = blocks if usable else None
 
     def __call__(self, x: Tensor) -> Tensor:
         """``x``: ``[rows, in_features]`` -> ``[rows, out_features]``."""
@@ -149,7 +155,10 @@ class PackedLinear:
         rows = x.shape[0]
         padded = padded_rows(rows, self.row_step)
         x = F.pad(x, (0, 0, 0, padded - rows)) if padded != rows else x.contiguous()
-        out = _linear(x, self.weight, self.bias, True)
+        if self.blocks is not None:
+            out = q4_1_linear(x, self.blocks, self.weight, self.bias)
+        else:
+            out = _linear(x, self.weight, self.bias, True)
         return out[:rows] if padded != rows else out
 
 

@@ -1,0 +1,89 @@
+"""Projections from Q4_1 blocks vs oneDNN's packed float32, per row count: where should
+``flexpage::q4_1_linear`` hand over to the packed weight (``gguf_linear.MAX_BLOCK_ROWS``)?
+
+    python -m bench.gguf_linear [--rows 1 2 3 4 6 8 16] [--reps 15] [--rounds 3]
+
+One forward's projections of the default model (SmolLM2-135M-Instruct's GGUF, 30 layers of
+q|k|v, o, gate|up and down, fused as the engine fuses them): the blocks as the kernel reads
+them against the same weights expanded to float32 and packed for oneDNN. Each round times
+both back to back (median of ``--reps`` forwards each); the table shows the median over
+rounds, their ratio, and each path's largest error against a float64 product of the same
+float32 weights. Prints a table; nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+
+import torch
+
+from bench.packed_linear import median_us
+from flexpage.model import gguf_linear
+from flexpage.model.loader import _default_gguf_path
+
+#: GGUF tensor kinds fused into one projection, in the engine's order
+FUSED = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
+
+
+def load_projections() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(kernel blocks, packed float32 weight, float32 weight) of every fused projection."""
+    from gguf import GGUFReader
+
+    by_layer: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    for tensor in GGUFReader(_default_gguf_path()).tensors:
+        parts = tensor.name.split(".")
+        if tensor.tensor_type.name == "Q4_1" and parts[0] == "blk":
+            raw = torch.from_numpy(tensor.data.copy()).view(torch.uint8)
+            by_layer[parts[1]][parts[2]] = raw.reshape(int(tensor.shape[1]), -1)
+    projections = []
+    for layer in by_layer.values():
+        for kinds in FUSED:
+            raw = torch.cat([layer[kind] for kind in kinds])
+            weight = gguf_linear.expand_q4_1(raw)
+            projections.append((gguf_linear.repack_q4_1(raw), torch.ops.mkldnn._reorder_linear_weight(weight, 64),
+                                weight))
+    return projections
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 16])
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    if not gguf_linear.available():
+        raise SystemExit("the Q4_1 kernel is not available on this machine (needs x86 AVX2/FMA/F16C and a compiler)")
+    torch.manual_seed(0)
+    projections = load_projections()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(projections)} projections, "
+          f"{sum(b.numel() for b, _, _ in projections) / 1e6:.0f} MB of blocks, "
+          f"{sum(w.numel() * 4 for _, _, w in projections) / 1e6:.0f} MB of float32")
+    print(f"{'rows':>4} {'blocks ms':>10} {'packed ms':>10} {'blocks/packed':>14} {'blocks err':>11} {'packed err':>11}")
+    for rows in args.rows:
+        inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for _, _, w in projections}}
+
+        def from_blocks() -> None:
+            for blocks, _, weight in projections:
+                gguf_linear.q4_1_linear(inputs[weight.shape[1]], blocks, None, None)
+
+        def from_packed() -> None:
+            for _, packed, weight in projections:
+                torch.ops.mkldnn._linear_pointwise(inputs[weight.shape[1]], packed, None, "none", [], "")
+
+        rounds = [(median_us(from_blocks, args.reps), median_us(from_packed, args.reps)) for _ in range(args.rounds)]
+        blocks_us, packed_us = (statistics.median(t) for t in zip(*rounds))
+        errors = [0.0, 0.0]
+        for blocks, packed, weight in projections[:4]:
+            x = inputs[weight.shape[1]]
+            reference = x.double() @ weight.double().T
+            results = (gguf_linear.q4_1_linear(x, blocks, None, None),
+                       torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+            errors = [max(e, (r.double() - reference).abs().max().item()) for e, r in zip(errors, results)]
+        print(f"{rows:>4} {blocks_us / 1e3:>10.1f} {packed_us / 1e3:>10.1f} {blocks_us / packed_us:>14.2f} "
+              f"{errors[0]:>11.1e} {errors[1]:>11.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Projections that read a GGUF's Q4_1 blocks for decode-sized inputs.
+
+Why: a batch-1 decode step streams every weight from memory once. The default model's GGUF
+stores its projections as Q4_1 (32 weights in 20 bytes); dequantised to float32 they are
+425 MB per forward, as the kernel's blocks (float32 scales: 24 bytes) 80 MB. On the 2-core AMD EPYC Zen 3 (AVX2), one forward's 210
+projections take 14 ms from the blocks vs 26 ms through oneDNN's packed float32 at one row,
+20.6 vs 30.7 ms at four, and more from six rows on (``bench/gguf_linear.py``). The op
+(``flexpage::q4_1_linear``, C++ in ``csrc/gguf_linear.cpp``) takes both: blocks for at most
+:data:`MAX_BLOCK_ROWS` rows, the packed float32 weight beyond.
+
+The blocks expand to exactly the float32 weights the model was loaded with (``d * q + m``
+with ``d * q`` exact), which :func:`q4_1_blocks` checks for every projection before using it:
+results differ from the float32 path only in summation order.
+
+The kernel is compiled on first use (~20 s, then cached by ``torch.utils.cpp_extension``) on
+x86 CPUs with AVX2, FMA and F16C; elsewhere :func:`available` is False and the float32
+weights run as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import pathlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+__all__ = ["MAX_BLOCK_ROWS", "available", "expand_q4_1", "q4_1_blocks", "q4_1_linear", "repack_q4_1"]
+
+log = logging.getLogger(__name__)
+
+#: inputs of at most this many rows read the blocks (the rest the packed float32 weight)
+MAX_BLOCK_ROWS = 16
+
+#: bytes of one GGUF Q4_1 block of 32 weights: fp16 scale d, fp16 offset m, 16 bytes of 4-bit codes
+GGUF_BLOCK_BYTES = 20
+#: bytes of one block as the kernel reads it: float32 d and m, then the same 16 bytes of codes
+BLOCK_BYTES = 24
+_SOURCE = pathlib.Path(__file__).with_name("csrc") / "gguf_linear.cpp"
+_CPU_FLAGS = ("avx2", "fma", "f16c")
+
+#: GGUF tensor name suffix -> HF projection of a Llama-family layer
+_HF_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _cpu_has_flags() -> bool:
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return all(flag in flags for flag in _CPU_FLAGS)
+
+
+@functools.cache
+def available() -> bool:
+    """True once the kernel is built and registered (x86 with AVX2/FMA/F16C and a C++ compiler)."""
+    if not _cpu_has_flags():
+        return False
+    from torch.utils import cpp_extension
+
+    try:  # built under $TORCH_EXTENSIONS_DIR (~/.cache/torch_extensions), rebuilt when the source changes
+        cpp_extension.load(name="flexpage_gguf_linear", sources=[str(_SOURCE)],
+                           # OpenMP: at::parallel_for is inline code; libgomp.so.1 is the one torch loaded
+                           extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                           is_python_module=False,
+                           verbose=os.environ.get("FLEXPAGE_VERBOSE_BUILD") == "1")
+    except (OSError, RuntimeError, ImportError) as error:  # no compiler, or the build failed
+        log.warning("GGUF Q4_1 kernel not built, projections run in float32: %s", error)
+        return False
+    torch.library.register_fake("flexpage::q4_1_linear")(_q4_1_linear_shape)
+    return True
+
+
+def _q4_1_linear_shape(x: Tensor, blocks: Tensor, packed: Tensor | None, bias: Tensor | None,
+                       max_rows: int) -> Tensor:
+    return x.new_empty(x.shape[0], blocks.shape[0])
+
+
+def q4_1_linear(x: Tensor, blocks: Tensor, packed: Tensor | None, bias: Tensor | None,
+                max_rows: int = MAX_BLOCK_ROWS) -> Tensor:
+    """``x @ W.T + bias`` (float32) for ``W`` given as blocks ``[out, in / 32 * 24]`` (:func:`repack_q4_1`):
+    read from the blocks for at most ``max_rows`` rows of ``x``, else through ``packed``, ``W``
+    packed for oneDNN (None: the blocks for any row count). Needs :func:`available`."""
+    return torch.ops.flexpage.q4_1_linear(x, blocks, packed, bias, max_rows)
+
+
+def expand_q4_1(blocks: Tensor) -> Tensor:
+    """The float32 weights ``[out, in]`` of GGUF Q4_1 ``blocks`` ``[out, in / 32 * 20]`` (uint8),
+    as GGUF dequantises them: ``d * q + m`` per block, low nibbles first."""
+    rows = blocks.shape[0]
+    b = blocks.view(rows, -1, GGUF_BLOCK_BYTES)
+    scales = b[..., :4].contiguous().view(torch.float16).float()  # [rows, blocks, 2]: d, m
+    codes = b[..., 4:]
+    q = torch.cat((codes & 0x0F, codes >> 4), dim=-1).float()  # [rows, blocks, 32]
+    return (scales[..., :1] * q + scales[..., 1:]).reshape(rows, -1)
+
+
+def repack_q4_1(blocks: Tensor) -> Tensor:
+    """GGUF Q4_1 ``blocks`` ``[out, in / 32 * 20]`` as the kernel reads them, ``[out, in / 32 * 24]``:
+    each block's d and m widened to float32 (exactly), its codes unchanged."""
+    rows = blocks.shape[0]
+    b = blocks.view(rows, -1, GGUF_BLOCK_BYTES)
+    scales = b[..., :4].contiguous().view(torch.float16).float().view(torch.uint8)  # [rows, blocks, 8]
+    return torch.cat((scales, b[..., 4:]), dim=-1).reshape(rows, -1)
+
+
+def q4_1_blocks(gguf_path: str | os.PathLike[str], model: torch.nn.Module) -> dict[str, Tensor]:
+    """The Q4_1 blocks of ``model``'s projections as the kernel reads them (:func:`repack_q4_1`),
+    by HF parameter name (``model.layers.0.self_attn.q_proj.weight``), read from the GGUF ``model``
+    was converted from.
+
+    Only blocks that expand to exactly the model's float32 weight are returned (trying the
+    row order llama.cpp permutes q and k into); anything else -- other quantisations, other
+    architectures' names, a model modified after loading -- keeps its float32 weight.
+    """
+    from gguf import GGUFReader
+
+    params = dict(model.named_parameters())
+    config = model.config.get_text_config()
+    head_counts = {config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)}
+    found: dict[str, Tensor] = {}
+    for tensor in GGUFReader(gguf_path).tensors:
+        name = _hf_name(tensor.name)
+        if tensor.tensor_type.name != "Q4_1" or name not in params:
+            continue
+        weight = params[name]
+        if weight.dtype != torch.float32 or weight.is_meta:
+            continue
+        raw = torch.from_numpy(tensor.data.copy()).view(torch.uint8).reshape(weight.shape[0], -1)
+        match = next((blocks for blocks in _row_orders(raw, head_counts) if torch.equal(expand_q4_1(blocks), weight)),
+                     None)
+        if match is not None:
+            found[name] = repack_q4_1(match)
+    return found
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    parts = gguf_name.split(".")  # blk.<i>.<kind>.weight
+    if len(parts) != 4 or parts[0] != "blk" or parts[3] != "weight" or parts[2] not in _HF_NAMES:
+        return None
+    return f"model.layers.{parts[1]}.{_HF_NAMES[parts[2]]}.weight"
+
+
+def _row_orders(blocks: Tensor, head_counts: set[int]) -> Iterator[Tensor]:
+    """``blocks`` as stored, then with rows un-permuted as llama.cpp's converter permutes q and
+    k for each head count that divides them (what transformers' GGUF loader undoes)."""
+    yield blocks
+    rows = blocks.shape[0]
+    for heads in sorted(head_counts):
+        if rows % (2 * heads) == 0:
+            yield blocks.view(heads, rows // heads // 2, 2, -1).transpose(1, 2).reshape(rows, -1).contiguous()
