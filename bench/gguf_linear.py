@@ -1,11 +1,12 @@
-"""Projections from Q4_1 blocks vs oneDNN's packed float32, per row count: where should
-``flexpage::q4_1_linear`` hand over to the packed weight (``gguf_linear.MAX_BLOCK_ROWS``)?
+"""Projections from GGUF blocks vs oneDNN's packed float32, per row count: where should
+``flexpage::block_linear`` hand over to the packed weight (``gguf_linear.MAX_BLOCK_ROWS``)?
 
     python -m bench.gguf_linear [--rows 1 2 3 4 6 8 16] [--reps 15] [--rounds 3]
 
-One forward's projections of the default model (SmolLM2-135M-Instruct's GGUF, 30 layers of
-q|k|v, o, gate|up and down, fused as the engine fuses them): the blocks as the kernel reads
-them against the same weights expanded to float32 and packed for oneDNN. Each round times
+One forward's projections of the default model (SmolLM2-135M-Instruct's GGUF: 30 layers of
+Q4_1 q|k|v, o, gate|up and down, fused as the engine fuses them, and the Q8_0 embedding as
+the LM head): the blocks as the kernel reads them against the same weights expanded to
+float32 and packed for oneDNN. Each round times
 both back to back (median of ``--reps`` forwards each); the table shows the median over
 rounds, their ratio, and each path's largest error against a float64 product of the same
 float32 weights. Prints a table; nothing is written.
@@ -28,22 +29,25 @@ FUSED = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"
 
 
 def load_projections() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(kernel blocks, packed float32 weight, float32 weight) of every fused projection."""
+    """(kernel blocks, packed float32 weight, float32 weight) of every fused projection and the LM head."""
     from gguf import GGUFReader
 
     by_layer: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    fused: list[tuple[str, torch.Tensor]] = []
     for tensor in GGUFReader(_default_gguf_path()).tensors:
-        parts = tensor.name.split(".")
-        if tensor.tensor_type.name == "Q4_1" and parts[0] == "blk":
-            raw = torch.from_numpy(tensor.data.copy()).view(torch.uint8)
-            by_layer[parts[1]][parts[2]] = raw.reshape(int(tensor.shape[1]), -1)
+        parts, kind = tensor.name.split("."), tensor.tensor_type.name
+        if kind not in gguf_linear.GGUF_BLOCK_BYTES:
+            continue
+        raw = torch.from_numpy(tensor.data.copy()).view(torch.uint8).reshape(int(tensor.shape[1]), -1)
+        if kind == "Q4_1" and parts[0] == "blk":
+            by_layer[parts[1]][parts[2]] = raw
+        elif kind == "Q8_0" and tensor.name == "token_embd.weight":
+            fused.append((kind, raw))
+    fused += [("Q4_1", torch.cat([layer[name] for name in names])) for layer in by_layer.values() for names in FUSED]
     projections = []
-    for layer in by_layer.values():
-        for kinds in FUSED:
-            raw = torch.cat([layer[kind] for kind in kinds])
-            weight = gguf_linear.expand_q4_1(raw)
-            projections.append((gguf_linear.repack_q4_1(raw), torch.ops.mkldnn._reorder_linear_weight(weight, 64),
-                                weight))
+    for kind, raw in fused:
+        weight = gguf_linear.expand(kind, raw)
+        projections.append((gguf_linear.repack(kind, raw), torch.ops.mkldnn._reorder_linear_weight(weight, 64), weight))
     return projections
 
 
@@ -54,7 +58,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     if not gguf_linear.available():
-        raise SystemExit("the Q4_1 kernel is not available on this machine (needs x86 AVX2/FMA/F16C and a compiler)")
+        raise SystemExit("the block kernel is not available on this machine (needs x86 AVX2/FMA/F16C and a compiler)")
     torch.manual_seed(0)
     projections = load_projections()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(projections)} projections, "
@@ -66,7 +70,7 @@ def main() -> None:
 
         def from_blocks() -> None:
             for blocks, _, weight in projections:
-                gguf_linear.q4_1_linear(inputs[weight.shape[1]], blocks, None, None)
+                gguf_linear.block_linear(inputs[weight.shape[1]], blocks, None, None)
 
         def from_packed() -> None:
             for _, packed, weight in projections:
@@ -78,7 +82,7 @@ def main() -> None:
         for blocks, packed, weight in projections[:4]:
             x = inputs[weight.shape[1]]
             reference = x.double() @ weight.double().T
-            results = (gguf_linear.q4_1_linear(x, blocks, None, None),
+            results = (gguf_linear.block_linear(x, blocks, None, None),
                        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
             errors = [max(e, (r.double() - reference).abs().max().item()) for e, r in zip(errors, results)]
         print(f"{rows:>4} {blocks_us / 1e3:>10.1f} {packed_us / 1e3:>10.1f} {blocks_us / packed_us:>14.2f} "

@@ -1,8 +1,8 @@
-"""A tiny Llama GGUF whose projections are Q4_1, for the tests of reading those blocks.
+"""A tiny Llama GGUF with Q4_1 projections and a Q8_0 embedding, for the tests of reading blocks.
 
 It is written the way llama.cpp's converter writes Llama checkpoints: q and k rows permuted
-for its RoPE layout (transformers' GGUF loader undoes that), norms and the tied embedding in
-float32. The tokenizer comes from the packaged SmolLM2 GGUF, so the usual test prompts apply.
+for its RoPE layout (transformers' GGUF loader undoes that), norms in float32, the embedding
+(tied to the LM head, as SmolLM2's) in Q8_0. The tokenizer comes from the packaged SmolLM2 GGUF, so the usual test prompts apply.
 2 layers, hidden 64, 4 heads of 16 (2 KV heads), MLP 128.
 """
 
@@ -20,17 +20,21 @@ PROJECTIONS = (("attn_q", HEADS * HEAD_DIM, HIDDEN), ("attn_k", KV_HEADS * HEAD_
                ("ffn_gate", INTERMEDIATE, HIDDEN), ("ffn_up", INTERMEDIATE, HIDDEN), ("ffn_down", HIDDEN, INTERMEDIATE))
 
 
-def random_q4_1_blocks(rng: np.random.Generator, rows: int, features: int, scale: float = 0.08) -> np.ndarray:
-    """``[rows, features / 32 * 20]`` uint8 Q4_1 blocks: fp16 ``d`` around ``scale / 8``, ``m = -8 d``
-    (weights centred on zero), random 4-bit codes."""
-    blocks = rng.integers(0, 256, (rows, features // 32, 20), dtype=np.uint8)
-    d = (rng.uniform(0.5, 1.5, (rows, features // 32)) * scale / 8).astype(np.float16)
+def random_blocks(rng: np.random.Generator, kind: str, rows: int, features: int, scale: float = 0.08) -> np.ndarray:
+    """``[rows, features / 32 * bytes per block]`` uint8 GGUF blocks of weights of about ``scale``
+    centred on zero: Q4_1 (fp16 ``d`` around ``scale / 8``, ``m = -8 d``, random 4-bit codes) or
+    Q8_0 (fp16 ``d`` around ``scale / 127``, random signed bytes)."""
+    width = {"Q4_1": 20, "Q8_0": 34}[kind]
+    blocks = rng.integers(0, 256, (rows, features // 32, width), dtype=np.uint8)
+    levels = 8 if kind == "Q4_1" else 127
+    d = (rng.uniform(0.5, 1.5, (rows, features // 32)) * scale / levels).astype(np.float16)
     blocks[..., 0:2] = d[..., None].view(np.uint8)
-    blocks[..., 2:4] = (-8 * d)[..., None].view(np.uint8)
+    if kind == "Q4_1":
+        blocks[..., 2:4] = (-8 * d)[..., None].view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
-def write_tiny_q4_1_gguf(path: pathlib.Path, tokenizer_gguf: pathlib.Path, seed: int = 0) -> pathlib.Path:
+def write_tiny_gguf(path: pathlib.Path, tokenizer_gguf: pathlib.Path, seed: int = 0) -> pathlib.Path:
     """Write the tiny model to ``path`` (a ``.gguf`` file) and return it."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
@@ -58,13 +62,14 @@ def write_tiny_q4_1_gguf(path: pathlib.Path, tokenizer_gguf: pathlib.Path, seed:
     writer.add_unk_token_id(source["tokenizer.ggml.unknown_token_id"].contents())
     writer.add_pad_token_id(source["tokenizer.ggml.padding_token_id"].contents())
     writer.add_chat_template(source["tokenizer.chat_template"].contents())
-    writer.add_tensor("token_embd.weight", rng.normal(0, 1.0, (len(tokens), HIDDEN)).astype(np.float32))
+    writer.add_tensor("token_embd.weight", random_blocks(rng, "Q8_0", len(tokens), HIDDEN, scale=1.0),
+                      raw_dtype=GGMLQuantizationType.Q8_0)
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
     for layer in range(LAYERS):
         writer.add_tensor(f"blk.{layer}.attn_norm.weight", rng.uniform(0.8, 1.2, HIDDEN).astype(np.float32))
         writer.add_tensor(f"blk.{layer}.ffn_norm.weight", rng.uniform(0.8, 1.2, HIDDEN).astype(np.float32))
         for kind, rows, features in PROJECTIONS:
-            writer.add_tensor(f"blk.{layer}.{kind}.weight", random_q4_1_blocks(rng, rows, features),
+            writer.add_tensor(f"blk.{layer}.{kind}.weight", random_blocks(rng, "Q4_1", rows, features),
                               raw_dtype=GGMLQuantizationType.Q4_1)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -1,12 +1,13 @@
-"""Projections that read a GGUF's Q4_1 blocks (:mod:`flexpage.model.gguf_linear`).
+"""Weights that run from a GGUF's Q4_1 and Q8_0 blocks (:mod:`flexpage.model.gguf_linear`).
 
 * The blocks expand to the weights GGUF's own dequantisation gives, and the kernel computes
   ``x @ W.T + bias`` with them to float32 rounding (against float64), for any row count.
 * Past ``max_rows`` rows it hands over to the packed float32 weight: oneDNN's bits exactly.
-* :func:`q4_1_blocks` returns a model's blocks only where they expand to exactly its float32
-  weights, undoing llama.cpp's q/k row permutation.
-* Through the engine, a GGUF model reads its blocks (eager and compiled steps) and gives HF
-  ``generate``'s greedy tokens; ``quantization="none"`` keeps float32 only.
+* :func:`gguf_blocks` returns a model's blocks only where they expand to exactly its float32
+  weights, undoing llama.cpp's q/k row permutation; a tied LM head gets the embedding's.
+* Through the engine, a GGUF model reads its blocks (projections and LM head; eager and
+  compiled steps) and gives HF ``generate``'s greedy tokens; ``quantization="none"`` keeps
+  float32 only.
 """
 
 from __future__ import annotations
@@ -20,45 +21,50 @@ import torch
 from engine_models import hf_greedy, load_reference, random_prompts
 from flexpage import SamplingParams
 from flexpage.model import gguf_linear
-from gguf_models import LAYERS, random_q4_1_blocks, write_tiny_q4_1_gguf
+from gguf_models import LAYERS, random_blocks, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not gguf_linear.available(),
-                                reason="the Q4_1 kernel needs an x86 CPU with AVX2/FMA/F16C and a C++ compiler")
+                                reason="the block kernel needs an x86 CPU with AVX2/FMA/F16C and a C++ compiler")
 
+KINDS = ("Q4_1", "Q8_0")
 PROMPTS = random_prompts((5, 17, 33, 60), seed=5)
 NEW_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
 
 
-def _blocks(rows: int, features: int, seed: int = 0) -> torch.Tensor:
-    return torch.from_numpy(random_q4_1_blocks(np.random.default_rng(seed), rows, features))
+def _blocks(kind: str, rows: int, features: int, seed: int = 0) -> torch.Tensor:
+    return torch.from_numpy(random_blocks(np.random.default_rng(seed), kind, rows, features))
 
 
-def test_blocks_expand_to_ggufs_own_dequantisation():
+@pytest.mark.parametrize("kind", KINDS)
+def test_blocks_expand_to_ggufs_own_dequantisation(kind):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    raw = _blocks(24, 96)
-    expected = dequantize(raw.numpy(), GGMLQuantizationType.Q4_1).reshape(24, 96)
-    assert torch.equal(gguf_linear.expand_q4_1(raw), torch.from_numpy(expected))
+    raw = _blocks(kind, 24, 96)
+    expected = dequantize(raw.numpy(), GGMLQuantizationType[kind]).reshape(24, 96)
+    assert torch.equal(gguf_linear.expand(kind, raw), torch.from_numpy(expected))
 
 
-def test_repacked_blocks_keep_codes_and_widen_scales_exactly():
-    raw = _blocks(3, 64)
-    packed = gguf_linear.repack_q4_1(raw).view(3, 2, gguf_linear.BLOCK_BYTES)
-    gguf = raw.view(3, 2, gguf_linear.GGUF_BLOCK_BYTES)
-    assert torch.equal(packed[..., 8:], gguf[..., 4:])
-    assert torch.equal(packed[..., :8].contiguous().view(torch.float32),
-                       gguf[..., :4].contiguous().view(torch.float16).float())
+@pytest.mark.parametrize("kind", KINDS)
+def test_repacked_blocks_keep_codes_and_widen_scales_exactly(kind):
+    raw = _blocks(kind, 3, 64)
+    scales = 2 if kind == "Q4_1" else 1
+    packed = gguf_linear.repack(kind, raw).view(3, 2, gguf_linear.BLOCK_BYTES[kind])
+    gguf = raw.view(3, 2, gguf_linear.GGUF_BLOCK_BYTES[kind])
+    assert torch.equal(packed[..., 4 * scales:], gguf[..., 2 * scales:])
+    assert torch.equal(packed[..., :4 * scales].contiguous().view(torch.float32),
+                       gguf[..., :2 * scales].contiguous().view(torch.float16).float())
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(("out_features", "in_features"), [(37, 64), (8, 96), (130, 32)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 17])
-def test_kernel_matches_float64_for_any_row_count(out_features, in_features, rows):
-    raw = _blocks(out_features, in_features, seed=rows)
-    weight = gguf_linear.expand_q4_1(raw).double()
+def test_kernel_matches_float64_for_any_row_count(kind, out_features, in_features, rows):
+    raw = _blocks(kind, out_features, in_features, seed=rows)
+    weight = gguf_linear.expand(kind, raw).double()
     x, bias = torch.randn(rows, in_features), torch.randn(out_features)
-    out = gguf_linear.q4_1_linear(x, gguf_linear.repack_q4_1(raw), None, bias)
+    out = gguf_linear.block_linear(x, gguf_linear.repack(kind, raw), None, bias)
     expected = x.double() @ weight.T + bias.double()
     assert out.dtype == torch.float32 and out.shape == (rows, out_features)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
@@ -66,33 +72,33 @@ def test_kernel_matches_float64_for_any_row_count(out_features, in_features, row
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN for the packed weight")
 def test_more_rows_than_max_rows_run_the_packed_weight():
-    raw = _blocks(48, 64)
-    blocks = gguf_linear.repack_q4_1(raw)
-    packed = torch.ops.mkldnn._reorder_linear_weight(gguf_linear.expand_q4_1(raw), 64)
+    raw = _blocks("Q4_1", 48, 64)
+    blocks = gguf_linear.repack("Q4_1", raw)
+    packed = torch.ops.mkldnn._reorder_linear_weight(gguf_linear.expand("Q4_1", raw), 64)
     for rows in (3, 4, 5, 9):
         x = torch.randn(rows, 64)
-        both = gguf_linear.q4_1_linear(x, blocks, packed, None, max_rows=4)
+        both = gguf_linear.block_linear(x, blocks, packed, None, max_rows=4)
         if rows <= 4:
-            assert torch.equal(both, gguf_linear.q4_1_linear(x, blocks, None, None))
+            assert torch.equal(both, gguf_linear.block_linear(x, blocks, None, None))
         else:
             assert torch.equal(both, torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
 
 
 def test_bad_inputs_are_refused_naming_what_is_wrong():
-    blocks = gguf_linear.repack_q4_1(_blocks(8, 64))
+    blocks = gguf_linear.repack("Q4_1", _blocks("Q4_1", 8, 64))
     with pytest.raises(RuntimeError, match="x must be float32"):
-        gguf_linear.q4_1_linear(torch.randn(2, 64, dtype=torch.float64), blocks, None, None)
-    with pytest.raises(RuntimeError, match="x has 96 features, blocks hold 64"):
-        gguf_linear.q4_1_linear(torch.randn(2, 96), blocks, None, None)
+        gguf_linear.block_linear(torch.randn(2, 64, dtype=torch.float64), blocks, None, None)
+    with pytest.raises(RuntimeError, match=r"x has 96 features; blocks of 48 bytes per row hold 64 \(Q4_1\)"):
+        gguf_linear.block_linear(torch.randn(2, 96), blocks, None, None)
     with pytest.raises(RuntimeError, match="blocks must be a contiguous uint8"):
-        gguf_linear.q4_1_linear(torch.randn(2, 64), blocks.float(), None, None)
+        gguf_linear.block_linear(torch.randn(2, 64), blocks.float(), None, None)
 
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> pathlib.Path:
     from flexpage.model.loader import _default_gguf_path
 
-    return write_tiny_q4_1_gguf(tmp_path_factory.mktemp("gguf") / "tiny-q4_1.gguf", _default_gguf_path())
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-q4_1.gguf", _default_gguf_path())
 
 
 @pytest.fixture(scope="module")
@@ -107,16 +113,17 @@ def test_a_models_blocks_are_found_only_where_they_give_its_exact_weights(tiny_g
 
     assert gguf_source(tiny_gguf_folder) == tiny_gguf.resolve()
     model = load_hf_model(tiny_gguf_folder, torch.float32)
-    blocks = gguf_linear.q4_1_blocks(tiny_gguf, model)
-    params = dict(model.named_parameters())
-    assert len(blocks) == LAYERS * 7  # q, k (stored permuted), v, o, gate, up, down
-    for name, found in blocks.items():  # the kernel's layout: expanding the codes gives the weight
+    blocks = gguf_linear.gguf_blocks(tiny_gguf, model)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    # q, k (stored permuted), v, o, gate, up, down per layer; the embedding, tied to the LM head
+    assert len(blocks) == LAYERS * 7 + 2 and blocks["lm_head.weight"] is blocks["model.embed_tokens.weight"]
+    for name, found in blocks.items():  # expanding the kernel's blocks gives the weight
         x = torch.eye(params[name].shape[1])
-        assert torch.equal(gguf_linear.q4_1_linear(x, found, None, None), params[name].T), name
+        assert torch.equal(gguf_linear.block_linear(x, found, None, None), params[name].T), name
     with torch.no_grad():
         params["model.layers.1.mlp.up_proj.weight"][0, 0] += 1e-3
-    assert set(gguf_linear.q4_1_blocks(tiny_gguf, model)) == set(blocks) - {"model.layers.1.mlp.up_proj.weight"}
-    assert gguf_linear.q4_1_blocks(tiny_gguf, load_hf_model(tiny_gguf_folder, torch.bfloat16)) == {}
+    assert set(gguf_linear.gguf_blocks(tiny_gguf, model)) == set(blocks) - {"model.layers.1.mlp.up_proj.weight"}
+    assert gguf_linear.gguf_blocks(tiny_gguf, load_hf_model(tiny_gguf_folder, torch.bfloat16)) == {}
 
 
 @pytest.mark.usefixtures("single_torch_thread", "kv_blocks_returned")
@@ -124,8 +131,9 @@ def test_a_models_blocks_are_found_only_where_they_give_its_exact_weights(tiny_g
 def test_a_gguf_model_reads_its_blocks_and_gives_hf_greedy_tokens(compile, tiny_gguf, tiny_gguf_folder, llm_factory):
     llm = llm_factory(tiny_gguf, compile=compile, num_blocks=128)
     compact = llm.engine.runner.compact
-    assert all(linear.blocks is not None for layer in compact.layers
-               for linear in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    linears = [compact.lm_head, *(linear for layer in compact.layers
+                                  for linear in (layer.qkv, layer.o, layer.gate_up, layer.down))]
+    assert all(linear.blocks is not None for linear in linears)
     assert (llm.engine.runner.compiled_step is not None) == compile
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     reference = load_reference(tiny_gguf_folder)
@@ -135,6 +143,7 @@ def test_a_gguf_model_reads_its_blocks_and_gives_hf_greedy_tokens(compile, tiny_
 @pytest.mark.usefixtures("single_torch_thread", "kv_blocks_returned")
 def test_quantization_none_keeps_float32_weights_only(tiny_gguf, llm_factory):
     llm = llm_factory(tiny_gguf, quantization="none")
-    assert all(layer.qkv.blocks is None for layer in llm.engine.runner.compact.layers)
+    compact = llm.engine.runner.compact
+    assert compact.lm_head.blocks is None and all(layer.qkv.blocks is None for layer in compact.layers)
     with pytest.raises(ValueError, match="quantization: got 'q4'"):
         llm_factory(tiny_gguf, quantization="q4")

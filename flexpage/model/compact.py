@@ -40,7 +40,7 @@ _LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 #: ``attend(layer, q [T, H, D], k [T, H_kv, D], v [T, H_kv, D]) -> [T, H, D]``
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
-#: a projection's Q4_1 blocks, or None
+#: a projection's GGUF blocks, or None
 _BlocksOf = Callable[[torch.nn.Linear], "Tensor | None"]
 
 
@@ -72,7 +72,7 @@ class CompactDecoder:
     """The decoder stack and LM head of a Llama-family HF model, over a flat token batch."""
 
     def __init__(self, model: torch.nn.Module, *, prepack: bool = True, row_tile: int | None = None,
-                 parallel: TensorParallel | None = None, q4_1_blocks: Mapping[str, Tensor] | None = None) -> None:
+                 parallel: TensorParallel | None = None, blocks: Mapping[str, Tensor] | None = None) -> None:
         """``row_tile``: every projection computes this many rows per call (deterministic mode,
         see :func:`~flexpage.model.packed_linear.tiled_rows`); None: one call per projection.
 
@@ -80,8 +80,8 @@ class CompactDecoder:
         the embedding is looked up and the o and down projections' outputs summed across ranks,
         and the LM head's vocabulary slices are gathered.
 
-        ``q4_1_blocks``: projection weights as GGUF Q4_1 blocks by HF parameter name
-        (:func:`~flexpage.model.gguf_linear.q4_1_blocks`), read for decode-sized inputs."""
+        ``blocks``: weights as GGUF blocks by HF parameter name
+        (:func:`~flexpage.model.gguf_linear.gguf_blocks`), read for decode-sized inputs."""
         if not supports(model):
             raise ValueError(f"model: a {type(model).__name__} (model_type={model.config.model_type!r}) is not a "
                              f"Llama-family decoder ({', '.join(sorted(_LLAMA_FAMILY))} with SiLU MLPs)")
@@ -96,18 +96,18 @@ class CompactDecoder:
         self.vocab_size = model.config.get_text_config().vocab_size  # the LM head's rows may be padded
         self.embed = base.embed_tokens.weight
         self.final_norm = base.norm.weight
+        names = {module: name for name, module in model.named_modules()}
+        quantized = blocks or {}
+
+        def blocks_of(linear: torch.nn.Module) -> Tensor | None:
+            return quantized.get(f"{names[linear]}.weight")
+
         head = model.get_output_embeddings()
         tied = head.weight is self.embed
-        self.lm_head = PackedLinear(head.weight, head.bias, prepack=prepack, row_tile=row_tile)
+        self.lm_head = PackedLinear(head.weight, head.bias, prepack=prepack, row_tile=row_tile, blocks=blocks_of(head))
         if self.lm_head.packed and not tied:  # a tied head's weight is the embedding, still needed
             _release(head)
         self.rotary = base.rotary_emb
-        names = {module: name for name, module in model.named_modules()}
-        quantized = q4_1_blocks or {}
-
-        def blocks_of(linear: torch.nn.Linear) -> Tensor | None:
-            return quantized.get(f"{names[linear]}.weight")
-
         self.layers = [self._take(layer, prepack, row_tile, blocks_of) for layer in base.layers]
         if self.lm_head.packed:
             _copy_unpacked_weights(model)
@@ -193,7 +193,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def _fused(prepack: bool, row_tile: int | None, blocks_of: _BlocksOf, *linears: torch.nn.Linear) -> PackedLinear:
     """One projection for several HF projections of the same input (outputs stacked by rows),
-    with their Q4_1 blocks stacked alike where every one has them.
+    with their GGUF blocks stacked alike where every one has them.
 
     The HF modules give their weights up: packed, their parameters are released (replaced
     by empty meta tensors, so a forgotten HF call fails loudly instead of running on stale

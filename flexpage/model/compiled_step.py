@@ -21,7 +21,7 @@ What makes the graph cheap to build and to run:
   views of one shared storage made Inductor copy whole pools around every write.
 * **Packed weights as inputs**, so that one graph serves every layer; Inductor lowers the
   oneDNN call through :mod:`flexpage.attention._packed_linear_lowering`. A projection with
-  GGUF Q4_1 blocks passes them too, and runs ``flexpage::q4_1_linear``, which picks blocks or
+  GGUF blocks passes them too, and runs ``flexpage::block_linear``, which picks blocks or
   packed weight by the row count at run time (:mod:`flexpage.model.gguf_linear`).
 * **Three graphs per model.** Token rows are padded to the packed linears' buckets
   (:func:`~flexpage.model.packed_linear.padded_rows`) outside the graph, the per-step sizes
@@ -47,7 +47,7 @@ from flexpage.attention.kv_pool import KVPool
 from flexpage.attention.paging import AttentionGroup, PagedBatch
 from flexpage.attention.recipe import Recipe
 from flexpage.model.compact import CompactDecoder, rms_norm
-from flexpage.model.gguf_linear import q4_1_linear
+from flexpage.model.gguf_linear import block_linear
 from flexpage.model.packed_linear import PackedLinear, padded_rows, tiled_linear
 from flexpage.model.tensor_parallel import TensorParallel
 
@@ -262,7 +262,7 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
 
     def linear(x: Tensor, weight: Tensor, blocks: Tensor | None, bias: Tensor | None) -> Tensor:
         if blocks is not None:  # decode-sized inputs read the blocks, others the packed weight
-            return q4_1_linear(x, blocks, weight, bias)
+            return block_linear(x, blocks, weight, bias)
         if shape.row_tile is not None:
             return tiled_linear(x, weight, bias, shape.packed, shape.row_tile)
         if shape.packed:

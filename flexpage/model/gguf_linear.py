@@ -1,15 +1,17 @@
-"""Projections that read a GGUF's Q4_1 blocks for decode-sized inputs.
+"""Projections that read a GGUF's quantised blocks (Q4_1, Q8_0) for decode-sized inputs.
 
 Why: a batch-1 decode step streams every weight from memory once. The default model's GGUF
-stores its projections as Q4_1 (32 weights in 20 bytes); dequantised to float32 they are
-425 MB per forward, as the kernel's blocks (float32 scales: 24 bytes) 80 MB. On the 2-core AMD EPYC Zen 3 (AVX2), one forward's 210
-projections take 14 ms from the blocks vs 26 ms through oneDNN's packed float32 at one row,
-20.6 vs 30.7 ms at four, and more from six rows on (``bench/gguf_linear.py``). The op
-(``flexpage::q4_1_linear``, C++ in ``csrc/gguf_linear.cpp``) takes both: blocks for at most
-:data:`MAX_BLOCK_ROWS` rows, the packed float32 weight beyond.
+stores its projections as Q4_1 (32 weights in 20 bytes) and its embedding, which is also its
+LM head, as Q8_0 (34 bytes): dequantised to float32, 425 + 113 MB per forward; as the
+kernel's blocks (scales widened to float32: 24 and 36 bytes), 80 + 31 MB. On the 2-core AMD
+EPYC Zen 3 (AVX2), one forward's projections took 8.2 ms from the blocks vs 24.2 ms through
+oneDNN's packed float32 at one row, 13.0 vs 37.2 at four, and about the same at 12-16 rows
+(``bench/gguf_linear.py``). The op (``flexpage::block_linear``, C++ in
+``csrc/gguf_linear.cpp``) takes both: blocks for at most :data:`MAX_BLOCK_ROWS` rows, the
+packed float32 weight beyond.
 
-The blocks expand to exactly the float32 weights the model was loaded with (``d * q + m``
-with ``d * q`` exact), which :func:`q4_1_blocks` checks for every projection before using it:
+The blocks expand to exactly the float32 weights the model was loaded with (``d * q [+ m]``
+with ``d * q`` exact), which :func:`gguf_blocks` checks for every weight before using it:
 results differ from the float32 path only in summation order.
 
 The kernel is compiled on first use (~20 s, then cached by ``torch.utils.cpp_extension``) on
@@ -28,26 +30,27 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_BLOCK_ROWS", "available", "expand_q4_1", "q4_1_blocks", "q4_1_linear", "repack_q4_1"]
+__all__ = ["MAX_BLOCK_ROWS", "available", "block_linear", "expand", "gguf_blocks", "repack"]
 
 log = logging.getLogger(__name__)
 
 #: inputs of at most this many rows read the blocks (the rest the packed float32 weight)
-MAX_BLOCK_ROWS = 16
+MAX_BLOCK_ROWS = 12
 
-#: bytes of one GGUF Q4_1 block of 32 weights: fp16 scale d, fp16 offset m, 16 bytes of 4-bit codes
-GGUF_BLOCK_BYTES = 20
-#: bytes of one block as the kernel reads it: float32 d and m, then the same 16 bytes of codes
-BLOCK_BYTES = 24
+#: bytes of one GGUF block of 32 weights: fp16 scale d [, fp16 offset m], then the codes
+GGUF_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+#: bytes of one block as the kernel reads it: the scales as float32, then the same codes
+BLOCK_BYTES = {"Q4_1": 24, "Q8_0": 36}
 _SOURCE = pathlib.Path(__file__).with_name("csrc") / "gguf_linear.cpp"
 _CPU_FLAGS = ("avx2", "fma", "f16c")
 
-#: GGUF tensor name suffix -> HF projection of a Llama-family layer
+#: GGUF tensor names (``blk.<i>.`` dropped) -> HF parameter names of a Llama-family model
 _HF_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_HF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
 
 
 def _cpu_has_flags() -> bool:
@@ -73,49 +76,54 @@ def available() -> bool:
                            is_python_module=False,
                            verbose=os.environ.get("FLEXPAGE_VERBOSE_BUILD") == "1")
     except (OSError, RuntimeError, ImportError) as error:  # no compiler, or the build failed
-        log.warning("GGUF Q4_1 kernel not built, projections run in float32: %s", error)
+        log.warning("GGUF block kernel not built, projections run in float32: %s", error)
         return False
-    torch.library.register_fake("flexpage::q4_1_linear")(_q4_1_linear_shape)
+    torch.library.register_fake("flexpage::block_linear")(_block_linear_shape)
     return True
 
 
-def _q4_1_linear_shape(x: Tensor, blocks: Tensor, packed: Tensor | None, bias: Tensor | None,
-                       max_rows: int) -> Tensor:
+def _block_linear_shape(x: Tensor, blocks: Tensor, packed: Tensor | None, bias: Tensor | None,
+                        max_rows: int) -> Tensor:
     return x.new_empty(x.shape[0], blocks.shape[0])
 
 
-def q4_1_linear(x: Tensor, blocks: Tensor, packed: Tensor | None, bias: Tensor | None,
-                max_rows: int = MAX_BLOCK_ROWS) -> Tensor:
-    """``x @ W.T + bias`` (float32) for ``W`` given as blocks ``[out, in / 32 * 24]`` (:func:`repack_q4_1`):
-    read from the blocks for at most ``max_rows`` rows of ``x``, else through ``packed``, ``W``
-    packed for oneDNN (None: the blocks for any row count). Needs :func:`available`."""
-    return torch.ops.flexpage.q4_1_linear(x, blocks, packed, bias, max_rows)
+def block_linear(x: Tensor, blocks: Tensor, packed: Tensor | None, bias: Tensor | None,
+                 max_rows: int = MAX_BLOCK_ROWS) -> Tensor:
+    """``x @ W.T + bias`` (float32) for ``W`` given as the kernel's blocks (:func:`repack`), Q4_1
+    ``[out, in / 32 * 24]`` or Q8_0 ``[out, in / 32 * 36]``: read from the blocks for at most
+    ``max_rows`` rows of ``x``, else through ``packed``, ``W`` packed for oneDNN (None: the
+    blocks for any row count). Needs :func:`available`."""
+    return torch.ops.flexpage.block_linear(x, blocks, packed, bias, max_rows)
 
 
-def expand_q4_1(blocks: Tensor) -> Tensor:
-    """The float32 weights ``[out, in]`` of GGUF Q4_1 ``blocks`` ``[out, in / 32 * 20]`` (uint8),
-    as GGUF dequantises them: ``d * q + m`` per block, low nibbles first."""
+def expand(kind: str, blocks: Tensor) -> Tensor:
+    """The float32 weights ``[out, in]`` of GGUF ``blocks`` ``[out, in / 32 * GGUF_BLOCK_BYTES[kind]]``
+    (uint8) as GGUF dequantises them: Q4_1 ``d * q + m`` (low nibbles first), Q8_0 ``d * q``."""
     rows = blocks.shape[0]
-    b = blocks.view(rows, -1, GGUF_BLOCK_BYTES)
+    b = blocks.view(rows, -1, GGUF_BLOCK_BYTES[kind])
+    if kind == "Q8_0":
+        d = b[..., :2].contiguous().view(torch.float16).float()  # [rows, blocks, 1]
+        return (d * b[..., 2:].contiguous().view(torch.int8).float()).reshape(rows, -1)
     scales = b[..., :4].contiguous().view(torch.float16).float()  # [rows, blocks, 2]: d, m
     codes = b[..., 4:]
     q = torch.cat((codes & 0x0F, codes >> 4), dim=-1).float()  # [rows, blocks, 32]
     return (scales[..., :1] * q + scales[..., 1:]).reshape(rows, -1)
 
 
-def repack_q4_1(blocks: Tensor) -> Tensor:
-    """GGUF Q4_1 ``blocks`` ``[out, in / 32 * 20]`` as the kernel reads them, ``[out, in / 32 * 24]``:
-    each block's d and m widened to float32 (exactly), its codes unchanged."""
+def repack(kind: str, blocks: Tensor) -> Tensor:
+    """GGUF ``blocks`` as the kernel reads them, ``[out, in / 32 * BLOCK_BYTES[kind]]``: each
+    block's fp16 scales widened to float32 (exactly), its codes unchanged."""
     rows = blocks.shape[0]
-    b = blocks.view(rows, -1, GGUF_BLOCK_BYTES)
-    scales = b[..., :4].contiguous().view(torch.float16).float().view(torch.uint8)  # [rows, blocks, 8]
-    return torch.cat((scales, b[..., 4:]), dim=-1).reshape(rows, -1)
+    b = blocks.view(rows, -1, GGUF_BLOCK_BYTES[kind])
+    halves = 2 if kind == "Q4_1" else 1
+    scales = b[..., : 2 * halves].contiguous().view(torch.float16).float().view(torch.uint8)
+    return torch.cat((scales, b[..., 2 * halves:]), dim=-1).reshape(rows, -1)
 
 
-def q4_1_blocks(gguf_path: str | os.PathLike[str], model: torch.nn.Module) -> dict[str, Tensor]:
-    """The Q4_1 blocks of ``model``'s projections as the kernel reads them (:func:`repack_q4_1`),
-    by HF parameter name (``model.layers.0.self_attn.q_proj.weight``), read from the GGUF ``model``
-    was converted from.
+def gguf_blocks(gguf_path: str | os.PathLike[str], model: torch.nn.Module) -> dict[str, Tensor]:
+    """The kernel's blocks (:func:`repack`) of ``model``'s weights stored as Q4_1 or Q8_0 in the
+    GGUF ``model`` was converted from, by HF parameter name (``model.layers.0.self_attn.q_proj.weight``;
+    a tied LM head under both of its names).
 
     Only blocks that expand to exactly the model's float32 weight are returned (trying the
     row order llama.cpp permutes q and k into); anything else -- other quantisations, other
@@ -123,26 +131,28 @@ def q4_1_blocks(gguf_path: str | os.PathLike[str], model: torch.nn.Module) -> di
     """
     from gguf import GGUFReader
 
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))
     config = model.config.get_text_config()
     head_counts = {config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)}
     found: dict[str, Tensor] = {}
     for tensor in GGUFReader(gguf_path).tensors:
-        name = _hf_name(tensor.name)
-        if tensor.tensor_type.name != "Q4_1" or name not in params:
+        name, kind = _hf_name(tensor.name), tensor.tensor_type.name
+        if kind not in GGUF_BLOCK_BYTES or name not in params:
             continue
         weight = params[name]
         if weight.dtype != torch.float32 or weight.is_meta:
             continue
         raw = torch.from_numpy(tensor.data.copy()).view(torch.uint8).reshape(weight.shape[0], -1)
-        match = next((blocks for blocks in _row_orders(raw, head_counts) if torch.equal(expand_q4_1(blocks), weight)),
-                     None)
+        match = next((b for b in _row_orders(raw, head_counts) if torch.equal(expand(kind, b), weight)), None)
         if match is not None:
-            found[name] = repack_q4_1(match)
+            blocks = repack(kind, match)
+            found.update((alias, blocks) for alias, param in params.items() if param is weight)
     return found
 
 
 def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _HF_TOP_NAMES:
+        return _HF_TOP_NAMES[gguf_name]
     parts = gguf_name.split(".")  # blk.<i>.<kind>.weight
     if len(parts) != 4 or parts[0] != "blk" or parts[3] != "weight" or parts[2] not in _HF_NAMES:
         return None

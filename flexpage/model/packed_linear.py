@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flexpage.model.gguf_linear import q4_1_linear
+from flexpage.model.gguf_linear import block_linear
 
 __all__ = ["PackedLinear", "can_prepack", "padded_rows", "row_step", "tiled_linear", "tiled_rows"]
 
@@ -135,7 +135,7 @@ class PackedLinear:
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None, *, prepack: bool = True,
                  row_tile: int | None = None, blocks: Tensor | None = None) -> None:
-        """``blocks``: ``weight`` as GGUF Q4_1 blocks (:mod:`~flexpage.model.gguf_linear`), read
+        """``blocks``: ``weight`` as GGUF blocks (:mod:`~flexpage.model.gguf_linear`), read
         for decode-sized inputs; used with a packed float32 weight and no row tile only."""
         self.out_features, self.in_features = weight.shape
         self.bias = bias
@@ -156,7 +156,7 @@ class PackedLinear:
         padded = padded_rows(rows, self.row_step)
         x = F.pad(x, (0, 0, 0, padded - rows)) if padded != rows else x.contiguous()
         if self.blocks is not None:
-            out = q4_1_linear(x, self.blocks, self.weight, self.bias)
+            out = block_linear(x, self.blocks, self.weight, self.bias)
         else:
             out = _linear(x, self.weight, self.bias, True)
         return out[:rows] if padded != rows else out

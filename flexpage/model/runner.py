@@ -54,7 +54,7 @@ from flexpage.core.layer_groups import LayerGroup, plan_layer_groups
 from flexpage.model.compact import CompactDecoder, supports
 from flexpage.model import gguf_linear
 from flexpage.model.compiled_step import CompiledStep
-from flexpage.model.gguf_linear import q4_1_blocks
+from flexpage.model.gguf_linear import gguf_blocks
 from flexpage.model.layer_recipes import model_recipes, recipe_for
 from flexpage.model.packed_linear import tiled_rows
 from flexpage.model.sharding import shard_llama
@@ -218,8 +218,8 @@ class ModelRunner:
         execute the same steps (:class:`~flexpage.parallel.leader.LeaderRunner`).
 
         ``gguf_path``: the GGUF ``model`` was converted from. On the compact forward in float32
-        (not deterministic, one process), projections it holds as Q4_1 read those blocks for
-        decode-sized inputs (:mod:`~flexpage.model.gguf_linear`).
+        (not deterministic, one process), projections and the LM head it holds as Q4_1 or Q8_0
+        read those blocks for decode-sized inputs (:mod:`~flexpage.model.gguf_linear`).
         """
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl: got {model_impl!r}, expected one of {MODEL_IMPLS}")
@@ -255,9 +255,9 @@ class ModelRunner:
             heads_per_rank = num_heads // parallel.size
             self.layer_recipes = tuple(offset_heads(r, parallel.rank * heads_per_rank) for r in self.layer_recipes)
         compact = model_impl != "transformers" and supports(model)
-        blocks = (q4_1_blocks(gguf_path, model) if compact and gguf_path is not None and self.dtype == torch.float32
+        blocks = (gguf_blocks(gguf_path, model) if compact and gguf_path is not None and self.dtype == torch.float32
                   and row_tile is None and parallel is None and gguf_linear.available() else None)
-        self.compact = CompactDecoder(model, row_tile=row_tile, parallel=parallel, q4_1_blocks=blocks) if compact else None
+        self.compact = CompactDecoder(model, row_tile=row_tile, parallel=parallel, blocks=blocks) if compact else None
         if self.compact is None and row_tile is not None:
             _tile_linear_rows(model, row_tile)
         self.blocks_per_attention_block = blocks_per_attention_block
