@@ -22,6 +22,7 @@ import torch
 
 from bench.packed_linear import median_us
 from flexpage.model import gguf_linear
+from flexpage.model.gguf_file import gguf_tensors
 from flexpage.model.loader import _default_gguf_path
 
 #: GGUF tensor kinds fused into one projection, in the engine's order
@@ -30,15 +31,13 @@ FUSED = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"
 
 def load_projections() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(kernel blocks, packed float32 weight, float32 weight) of every fused projection and the LM head."""
-    from gguf import GGUFReader
-
     by_layer: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
     fused: list[tuple[str, torch.Tensor]] = []
-    for tensor in GGUFReader(_default_gguf_path()).tensors:
-        parts, kind = tensor.name.split("."), tensor.tensor_type.name
+    for tensor in gguf_tensors(_default_gguf_path()):
+        parts, kind = tensor.name.split("."), tensor.type_name
         if kind not in gguf_linear.GGUF_BLOCK_BYTES:
             continue
-        raw = torch.from_numpy(tensor.data.copy()).view(torch.uint8).reshape(int(tensor.shape[1]), -1)
+        raw = torch.from_numpy(tensor.data.copy()).reshape(tensor.shape[0], -1)
         if kind == "Q4_1" and parts[0] == "blk":
             by_layer[parts[1]][parts[2]] = raw
         elif kind == "Q8_0" and tensor.name == "token_embd.weight":

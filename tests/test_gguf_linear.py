@@ -3,6 +3,7 @@
 * The blocks expand to the weights GGUF's own dequantisation gives, and the kernel computes
   ``x @ W.T + bias`` with them to float32 rounding (against float64), for any row count.
 * Past ``max_rows`` rows it hands over to the packed float32 weight: oneDNN's bits exactly.
+* The tensor table is read as ``gguf.GGUFReader`` reads it (without its metadata values).
 * :func:`gguf_blocks` returns a model's blocks only where they expand to exactly its float32
   weights, undoing llama.cpp's q/k row permutation; a tied LM head gets the embedding's.
 * Through the engine, a GGUF model reads its blocks (projections and LM head; eager and
@@ -106,6 +107,21 @@ def tiny_gguf_folder(tiny_gguf) -> pathlib.Path:
     from flexpage.model.loader import resolve_model_path
 
     return resolve_model_path(tiny_gguf)
+
+
+def test_the_tensor_table_is_read_as_ggufs_own_reader_reads_it(tiny_gguf, tmp_path):
+    from gguf import GGUFReader
+
+    from flexpage.model.gguf_file import gguf_tensors
+
+    ours, theirs = list(gguf_tensors(tiny_gguf)), GGUFReader(tiny_gguf).tensors
+    assert [(t.name, t.type_name, t.shape) for t in ours] == [
+        (t.name, t.tensor_type.name, tuple(int(n) for n in reversed(t.shape))) for t in theirs]
+    assert all(np.array_equal(a.data, np.asarray(b.data).view(np.uint8).reshape(-1)) for a, b in zip(ours, theirs))
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04" + bytes(60))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        next(gguf_tensors(not_gguf))
 
 
 def test_a_models_blocks_are_found_only_where_they_give_its_exact_weights(tiny_gguf, tiny_gguf_folder):

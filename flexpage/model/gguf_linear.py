@@ -30,6 +30,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from flexpage.model.gguf_file import gguf_tensors
+
 __all__ = ["MAX_BLOCK_ROWS", "available", "block_linear", "expand", "gguf_blocks", "repack"]
 
 log = logging.getLogger(__name__)
@@ -129,20 +131,18 @@ def gguf_blocks(gguf_path: str | os.PathLike[str], model: torch.nn.Module) -> di
     row order llama.cpp permutes q and k into); anything else -- other quantisations, other
     architectures' names, a model modified after loading -- keeps its float32 weight.
     """
-    from gguf import GGUFReader
-
     params = dict(model.named_parameters(remove_duplicate=False))
     config = model.config.get_text_config()
     head_counts = {config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)}
     found: dict[str, Tensor] = {}
-    for tensor in GGUFReader(gguf_path).tensors:
-        name, kind = _hf_name(tensor.name), tensor.tensor_type.name
+    for tensor in gguf_tensors(gguf_path):
+        name, kind = _hf_name(tensor.name), tensor.type_name
         if kind not in GGUF_BLOCK_BYTES or name not in params:
             continue
         weight = params[name]
         if weight.dtype != torch.float32 or weight.is_meta:
             continue
-        raw = torch.from_numpy(tensor.data.copy()).view(torch.uint8).reshape(weight.shape[0], -1)
+        raw = torch.from_numpy(tensor.data.copy()).reshape(weight.shape[0], -1)
         match = next((b for b in _row_orders(raw, head_counts) if torch.equal(expand(kind, b), weight)), None)
         if match is not None:
             blocks = repack(kind, match)
