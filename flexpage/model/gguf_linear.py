@@ -25,6 +25,7 @@ import functools
 import logging
 import os
 import pathlib
+import shutil
 from collections.abc import Iterator
 
 import torch
@@ -71,6 +72,7 @@ def available() -> bool:
         return False
     from torch.utils import cpp_extension
 
+    _put_ninja_on_path()
     try:  # built under $TORCH_EXTENSIONS_DIR (~/.cache/torch_extensions), rebuilt when the source changes
         cpp_extension.load(name="flexpage_gguf_linear", sources=[str(_SOURCE)],
                            # OpenMP: at::parallel_for is inline code; libgomp.so.1 is the one torch loaded
@@ -82,6 +84,18 @@ def available() -> bool:
         return False
     torch.library.register_fake("flexpage::block_linear")(_block_linear_shape)
     return True
+
+
+def _put_ninja_on_path() -> None:
+    """The build runs ``ninja``: the one installed with flexpage (the ``ninja`` package) where the
+    environment's scripts are not on ``PATH`` (a virtual environment used without activating it)."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def _block_linear_shape(x: Tensor, blocks: Tensor, packed: Tensor | None, bias: Tensor | None,
