@@ -116,7 +116,7 @@ class LLMEngine:
         virtual_rows = config.max_num_seqs * len(self.layer_groups) if config.kv_layout == "virtual" else 0
         if virtual_rows and config.kv_resident_bytes is not None:
             num_blocks = max(2, parse_size(config.kv_resident_bytes, "kv_resident_bytes") // bytes_per_block)
-        gguf = gguf_source(path) if config.quantization == "auto" else None  # Q4_1 blocks read from it
+        gguf = gguf_source(path) if config.quantization == "auto" else None  # quantised blocks read from it
         runner_kwargs = dict(num_blocks=(virtual_rows + 1) * row_length if virtual_rows else num_blocks,
                              block_size=config.block_size, compile=compile,
                              num_host_blocks=parse_size(config.swap_space) // bytes_per_block,

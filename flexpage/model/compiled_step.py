@@ -156,7 +156,7 @@ class CompiledStep:
 
 
 def _weights(linear: PackedLinear) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """A projection's weight, its Q4_1 blocks (or None) and its bias, as the graph takes them."""
+    """A projection's weight, its GGUF blocks (or None) and its bias, as the graph takes them."""
     return linear.weight, linear.blocks, linear.bias
 
 
@@ -329,10 +329,10 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
 
     @torch.compiler.nested_compile_region
     def attention_inputs(hidden: Tensor, cos: Tensor, sin: Tensor, input_norm: Tensor, qkv_w: Tensor,
-                         qkv_q4: Tensor | None, qkv_b: Tensor | None, q_norm: Tensor | None, k_norm: Tensor | None,
+                         qkv_blocks: Tensor | None, qkv_b: Tensor | None, q_norm: Tensor | None, k_norm: Tensor | None,
                          ) -> tuple[Tensor, Tensor, Tensor]:
         rows = hidden.shape[0]
-        qkv = linear(norm(hidden, input_norm), qkv_w, qkv_q4, qkv_b)
+        qkv = linear(norm(hidden, input_norm), qkv_w, qkv_blocks, qkv_b)
         qk = qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim)
         if shape.qk_norm:
             qk = torch.cat((norm(qk[:, :heads], q_norm), norm(qk[:, heads:], k_norm)), 1)
@@ -342,9 +342,9 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
 
     @torch.compiler.nested_compile_region
     def attention_and_mlp(hidden: Tensor, q: Tensor, k_pool: Tensor, v_pool: Tensor, o_w: Tensor,
-                          o_q4: Tensor | None, o_b: Tensor | None, post_norm: Tensor, gate_up_w: Tensor,
-                          gate_up_q4: Tensor | None, gate_up_b: Tensor | None, down_w: Tensor,
-                          down_q4: Tensor | None, down_b: Tensor | None, *plan: Tensor) -> Tensor:
+                          o_blocks: Tensor | None, o_b: Tensor | None, post_norm: Tensor, gate_up_w: Tensor,
+                          gate_up_blocks: Tensor | None, gate_up_b: Tensor | None, down_w: Tensor,
+                          down_blocks: Tensor | None, down_b: Tensor | None, *plan: Tensor) -> Tensor:
         out = hidden.new_zeros(hidden.shape[0], heads * dim)  # padding rows attend to nothing
         start = 0
         for kind, q_block, kv_block in groups:
@@ -357,24 +357,24 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
             else:
                 rows_out, tokens = prefill_attention(q, k_pool, v_pool, q_block, kv_block, *group_plan)
             out = out.index_copy(0, tokens, rows_out)
-        hidden = hidden + reduce(linear(out, o_w, o_q4, o_b))
-        gate, up = linear(norm(hidden, post_norm), gate_up_w, gate_up_q4, gate_up_b).chunk(2, -1)
-        return hidden + reduce(linear(F.silu(gate) * up, down_w, down_q4, down_b))
+        hidden = hidden + reduce(linear(out, o_w, o_blocks, o_b))
+        gate, up = linear(norm(hidden, post_norm), gate_up_w, gate_up_blocks, gate_up_b).chunk(2, -1)
+        return hidden + reduce(linear(F.silu(gate) * up, down_w, down_blocks, down_b))
 
     def forward(embed: Tensor, layer_weights: tuple, layer_pools: tuple, head: tuple, token_ids: Tensor,
                 cos: Tensor, sin: Tensor, slots: Tensor, kv_rows: Tensor, sample_rows: Tensor, *plan: Tensor) -> Tensor:
         hidden = F.embedding(token_ids, embed) if shape.parallel is None else shape.parallel.embed(token_ids, embed)
         for weights, (k_pool, v_pool) in zip(layer_weights, layer_pools):
-            (input_norm, qkv_w, qkv_q4, qkv_b, q_norm, k_norm, o_w, o_q4, o_b, post_norm, gu_w, gu_q4, gu_b,
-             down_w, down_q4, down_b) = weights
-            q, k, v = attention_inputs(hidden, cos, sin, input_norm, qkv_w, qkv_q4, qkv_b, q_norm, k_norm)
+            (input_norm, qkv_w, qkv_blocks, qkv_b, q_norm, k_norm, o_w, o_blocks, o_b, post_norm, gu_w, gu_blocks, gu_b,
+             down_w, down_blocks, down_b) = weights
+            q, k, v = attention_inputs(hidden, cos, sin, input_norm, qkv_w, qkv_blocks, qkv_b, q_norm, k_norm)
             # in place, on tensors that alias nothing else in the graph (see the module docstring)
             k_pool.index_copy_(2, slots, k.index_select(0, kv_rows).transpose(0, 1)[None])
             v_pool.index_copy_(2, slots, v.index_select(0, kv_rows).transpose(0, 1)[None])
-            hidden = attention_and_mlp(hidden, q, k_pool, v_pool, o_w, o_q4, o_b, post_norm, gu_w, gu_q4, gu_b,
-                                       down_w, down_q4, down_b, *plan)
-        final_norm, lm_w, lm_q4, lm_b = head
-        logits = linear(norm(hidden[sample_rows], final_norm), lm_w, lm_q4, lm_b)
+            hidden = attention_and_mlp(hidden, q, k_pool, v_pool, o_w, o_blocks, o_b, post_norm, gu_w, gu_blocks, gu_b,
+                                       down_w, down_blocks, down_b, *plan)
+        final_norm, lm_w, lm_blocks, lm_b = head
+        logits = linear(norm(hidden[sample_rows], final_norm), lm_w, lm_blocks, lm_b)
         if shape.parallel is None:
             return logits
         return shape.parallel.gather_columns(logits)[:, : shape.vocab_size]

@@ -51,10 +51,9 @@ from flexpage.attention.paging import PagedBatch, build_paged_batch, next_power_
 from flexpage.attention.recipe import Recipe, offset_heads
 from flexpage.config import MODEL_IMPLS
 from flexpage.core.layer_groups import LayerGroup, plan_layer_groups
-from flexpage.model.compact import CompactDecoder, supports
 from flexpage.model import gguf_linear
+from flexpage.model.compact import CompactDecoder, supports
 from flexpage.model.compiled_step import CompiledStep
-from flexpage.model.gguf_linear import gguf_blocks
 from flexpage.model.layer_recipes import model_recipes, recipe_for
 from flexpage.model.packed_linear import tiled_rows
 from flexpage.model.sharding import shard_llama
@@ -255,7 +254,7 @@ class ModelRunner:
             heads_per_rank = num_heads // parallel.size
             self.layer_recipes = tuple(offset_heads(r, parallel.rank * heads_per_rank) for r in self.layer_recipes)
         compact = model_impl != "transformers" and supports(model)
-        blocks = (gguf_blocks(gguf_path, model) if compact and gguf_path is not None and self.dtype == torch.float32
+        blocks = (gguf_linear.gguf_blocks(gguf_path, model) if compact and gguf_path is not None and self.dtype == torch.float32
                   and row_tile is None and parallel is None and gguf_linear.available() else None)
         self.compact = CompactDecoder(model, row_tile=row_tile, parallel=parallel, blocks=blocks) if compact else None
         if self.compact is None and row_tile is not None:
