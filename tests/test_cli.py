@@ -133,3 +133,4 @@ def test_cli_and_server_defaults_match_the_engine_config():
     serve = {p.name: p.default for p in typer.main.get_command(app).commands["serve"].params}
     assert (serve["kv_budget"], serve["kv_eviction"]) == (engine.kv_budget_tokens, engine.kv_eviction)
     assert (settings.kv_budget_tokens, settings.kv_eviction) == (engine.kv_budget_tokens, engine.kv_eviction)
+    assert serve["quantization"] == settings.quantization == engine.quantization

@@ -55,6 +55,7 @@ class ServeSettings:
     kv_resident_bytes: str | None = None  # EngineConfig.kv_resident_bytes
     tensor_parallel_size: int = 1  # EngineConfig.tensor_parallel_size
     tensor_parallel_timeout: float = 120.0  # EngineConfig.tensor_parallel_timeout
+    quantization: str = "auto"  # EngineConfig.quantization
     enable_prefix_caching: bool = True
     swap_space: str = "0"
     preemption_mode: str = "recompute"
@@ -97,6 +98,7 @@ def run_server(settings: ServeSettings) -> int:
         disk_kv_bytes=settings.disk_kv_bytes, kv_tier_policy=settings.kv_tier_policy,
         kv_layout=settings.kv_layout, kv_resident_bytes=settings.kv_resident_bytes,
         tensor_parallel_size=settings.tensor_parallel_size, tensor_parallel_timeout=settings.tensor_parallel_timeout,
+        quantization=settings.quantization,
     )
     timings = {"load": 0.0, "warm-up": 0.0}
 
