@@ -4,9 +4,9 @@ Why: a batch-1 decode step streams every weight from memory once. The default mo
 stores its projections as Q4_1 (32 weights in 20 bytes) and its embedding, which is also its
 LM head, as Q8_0 (34 bytes): dequantised to float32, 425 + 113 MB per forward; as the
 kernel's blocks (scales widened to float32: 24 and 36 bytes), 80 + 31 MB. On the 2-core AMD
-EPYC Zen 3 (AVX2), one forward's projections took 8.2 ms from the blocks vs 24.2 ms through
-oneDNN's packed float32 at one row, 13.0 vs 37.2 at four, and about the same at 12-16 rows
-(``bench/gguf_linear.py``). The op (``flexpage::block_linear``, C++ in
+EPYC Zen 3 (AVX2), one forward's projections and LM head took 8.2 ms from the blocks vs 25.4
+ms through oneDNN's packed float32 at one row, 16.0 vs 34.6 at four, 45.2 vs 48.8 at twelve,
+and 0.7-1.2x (between runs) at sixteen (``bench/gguf_linear.py``). The op (``flexpage::block_linear``, C++ in
 ``csrc/gguf_linear.cpp``) takes both: blocks for at most :data:`MAX_BLOCK_ROWS` rows, the
 packed float32 weight beyond.
 
