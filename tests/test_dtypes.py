@@ -62,7 +62,7 @@ def test_default_dtype_is_bf16_only_where_every_kernel_has_native_bf16(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn_bf16)
-    monkeypatch.setattr(dtypes, "_cpuinfo_flags", lambda: flags)
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: flags)
     assert default_dtype() is expected
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["default_dtype", "parse_dtype"]
+__all__ = ["cpu_flags", "default_dtype", "parse_dtype"]
 
 _DTYPE_ALIASES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -42,10 +42,10 @@ def _cpu_has_native_bf16() -> bool:
         return False
     if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return False
-    return bool(_BF16_CPU_FLAGS & _cpuinfo_flags())
+    return bool(_BF16_CPU_FLAGS & cpu_flags())
 
 
-def _cpuinfo_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     """CPU feature flags from /proc/cpuinfo; empty where it is unavailable."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from flexpage.model.dtypes import cpu_flags
 from flexpage.model.gguf_file import gguf_tensors
 
 __all__ = ["MAX_BLOCK_ROWS", "available", "block_linear", "expand", "gguf_blocks", "repack"]
@@ -56,19 +57,10 @@ _HF_NAMES = {
 _HF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
 
 
-def _cpu_has_flags() -> bool:
-    try:
-        text = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return all(flag in flags for flag in _CPU_FLAGS)
-
-
 @functools.cache
 def available() -> bool:
     """True once the kernel is built and registered (x86 with AVX2/FMA/F16C and a C++ compiler)."""
-    if not _cpu_has_flags():
+    if not set(_CPU_FLAGS) <= cpu_flags():
         return False
     from torch.utils import cpp_extension
 
