@@ -631,7 +631,9 @@ def test_metrics_after_everything(server: ServerProcess) -> None:
 def test_graceful_shutdown_drains(server: ServerProcess) -> None:
     """Last: SIGINT with a stream in flight -> new requests 503, the stream completes, exit 0."""
     lines: list[str] = []
-    body = {"model": MODEL, "prompt": "Count to fifty:", "max_tokens": 30, "ignore_eos": True, "temperature": 0,
+    # Long enough to still be in flight when the signal lands: at ~20 ms per token a 30-token stream
+    # ended within the old fixed 0.5 s wait, the server exited, and the 503 probe met a closed port.
+    body = {"model": MODEL, "prompt": "Count to fifty:", "max_tokens": 200, "ignore_eos": True, "temperature": 0,
             "stream": True}
 
     def consume() -> None:
@@ -646,7 +648,10 @@ def test_graceful_shutdown_drains(server: ServerProcess) -> None:
         time.sleep(0.05)
     assert lines, "the stream did not start"
     server.proc.send_signal(2)  # SIGINT
-    time.sleep(0.5)
+    deadline = time.monotonic() + 10
+    while httpx.get(server.base_url + "/health").status_code != 503 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert thread.is_alive(), "the stream ended before the signal was handled: nothing left to drain"
     _assert_error(_post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1}), 503, code="shutting_down")
     assert httpx.get(server.base_url + "/health").status_code == 503
     thread.join(timeout=300)
