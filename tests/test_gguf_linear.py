@@ -59,9 +59,11 @@ def test_repacked_blocks_keep_codes_and_widen_scales_exactly(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize(("out_features", "in_features"), [(37, 64), (8, 96), (130, 32)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 17])
+@pytest.mark.parametrize(("out_features", "in_features"), [(37, 64), (8, 96), (130, 32), (48, 64), (16, 2048)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 17, 100])
 def test_kernel_matches_float64_for_any_row_count(kind, out_features, in_features, rows):
+    """Up to 12 rows per-output dot products; beyond, 16-output panels (out_features a multiple
+    of 16) in tiles of 6 rows and tails, in several passes over x where it is wide (16 x 2048)."""
     raw = _blocks(kind, out_features, in_features, seed=rows)
     weight = gguf_linear.expand(kind, raw).double()
     x, bias = torch.randn(rows, in_features), torch.randn(out_features)

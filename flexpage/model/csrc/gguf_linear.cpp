@@ -9,17 +9,19 @@
 // d * q is exact in float32 (an 11-bit mantissa times a 4- or 8-bit integer), so the weights
 // are exactly GGUF's own dequantisation (Q4_1's fused multiply-add rounds once, as its sum does).
 //
-// Decode-sized inputs (at most max_rows rows) read the blocks: each thread takes a range of
-// output rows and, for each, expands a block into registers and multiplies it with up to four
-// input rows, so the weights stream from memory once per call (Q4_1: a fifth of float32's
-// bytes). Larger inputs reuse each weight across many rows, where oneDNN's blocked float32
-// kernels beat expanding blocks: they go to the weight packed for oneDNN.
+// Up to kDotRows input rows: each thread takes a range of output rows and, for each, expands a
+// block into registers and multiplies it with up to four input rows, so the weights stream from
+// memory once per call (Q4_1: a fifth of float32's bytes). More rows would expand each block
+// again for every four rows: instead each thread expands 16 output rows at a time into a float32
+// panel and runs a register-tiled GEMM over it (output_panels). Past max_rows the op calls oneDNN
+// on the weight packed for it, which is as fast there (bench/gguf_linear.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -27,6 +29,7 @@
 namespace {
 
 constexpr int64_t kBlock = 32;  // weights per block
+constexpr int64_t kDotRows = 12; // inputs of up to this many rows expand blocks in registers, per output row
 
 // The 32 float32 weights of one block, as four vectors of 8.
 struct Q4_1 {
@@ -64,7 +67,8 @@ inline float lane_sum(__m256 v) {
 // weights are expanded once into registers and used by all R rows; a row sums into
 // 4 / (R > 2 ? 2 : 1) independent accumulators so that the fused multiply-adds overlap.
 template <typename Format, int R>
-inline void rows_times_weight_row(const float* x, int64_t K, const uint8_t* blocks, float* y, int64_t ldy) {
+__attribute__((always_inline)) inline void rows_times_weight_row(const float* x, int64_t K, const uint8_t* blocks,
+                                                                 float* y, int64_t ldy) {
   constexpr int kChains = R > 2 ? 2 : 4;
   __m256 acc[R][kChains];
   for (int i = 0; i < R; ++i)
@@ -72,7 +76,9 @@ inline void rows_times_weight_row(const float* x, int64_t K, const uint8_t* bloc
   for (int64_t k = 0; k < K; k += kBlock, blocks += Format::kBytes) {
     __m256 w[4];
     Format::expand(blocks, w);
+#pragma GCC unroll 4
     for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
       for (int q = 0; q < 4; ++q)
         acc[i][q % kChains] = _mm256_fmadd_ps(w[q], _mm256_loadu_ps(x + i * K + k + 8 * q), acc[i][q % kChains]);
   }
@@ -98,6 +104,103 @@ void output_rows(const float* x, int64_t rows, int64_t K, const uint8_t* blocks,
       case 2: rows_times_weight_row<Format, 2>(x + i * K, K, w, y + i * N + n, N); break;
       case 1: rows_times_weight_row<Format, 1>(x + i * K, K, w, y + i * N + n, N); break;
       default: break;
+    }
+  }
+}
+
+// Larger inputs: each thread expands the blocks of 16 output rows at a time once into a float32
+// panel [K][16] (transposed, in L1/L2), then multiplies six input rows at a time with it
+// (broadcast x, 12 accumulators: the register tile of a float32 GEMM), so expanding costs once
+// per call, not once per few input rows.
+constexpr int64_t kPanel = 16;  // output rows per panel
+constexpr int kTile = 6;        // input rows per register tile
+constexpr int64_t kChunkBytes = 384 << 10;  // of x per pass over the panels (L2: 512 KB per core on Zen 3)
+
+// r[j] = column j of the 8x8 matrix whose rows were r[0..7]
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], s[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x31);
+  }
+}
+
+// panel[k * 16 + j] = W[j, k] for the 16 output rows whose blocks start at `blocks`
+template <typename Format>
+void expand_panel(const uint8_t* blocks, int64_t row_bytes, int64_t K, float* panel) {
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    for (int half = 0; half < 2; ++half) {
+      __m256 w[8][4];
+      for (int r = 0; r < 8; ++r) Format::expand(blocks + (half * 8 + r) * row_bytes + b * Format::kBytes, w[r]);
+      for (int q = 0; q < 4; ++q) {
+        __m256 column[8];
+        for (int r = 0; r < 8; ++r) column[r] = w[r][q];
+        transpose8(column);
+        float* out = panel + (b * kBlock + 8 * q) * kPanel + 8 * half;
+        for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + j * kPanel, column[j]);
+      }
+    }
+  }
+}
+
+// y[i * ldy + j] = sum_k x[i * K + k] * panel[k * 16 + j] for R input rows and the panel's 16 outputs
+// (the tile must live in registers: unrolled and inlined, or GCC keeps `acc` in memory at a third of the speed)
+template <int R>
+__attribute__((always_inline)) inline void tile_times_panel(const float* x, int64_t K, const float* panel, float* y,
+                                                            int64_t ldy) {
+  __m256 acc[R][2];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k, panel += kPanel) {
+    const __m256 w0 = _mm256_loadu_ps(panel), w1 = _mm256_loadu_ps(panel + 8);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m256 xi = _mm256_broadcast_ss(x + i * K + k);
+      acc[i][0] = _mm256_fmadd_ps(w0, xi, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(w1, xi, acc[i][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    _mm256_storeu_ps(y + i * ldy, acc[i][0]);
+    _mm256_storeu_ps(y + i * ldy + 8, acc[i][1]);
+  }
+}
+
+// Output rows [16 * begin, 16 * end) of y = x @ W.T for all input rows, one panel at a time
+template <typename Format>
+void output_panels(const float* x, int64_t rows, int64_t K, const uint8_t* blocks, float* y, int64_t N,
+                   int64_t begin, int64_t end) {
+  const int64_t row_bytes = K / kBlock * Format::kBytes;
+  std::vector<float> panel(K * kPanel);
+  // rows in passes whose part of x stays in L2 across the panels, of even sizes (each pass expands again)
+  const int64_t most = std::max<int64_t>(kTile, kChunkBytes / (K * int64_t(sizeof(float))));
+  const int64_t passes = (rows + most - 1) / most, chunk = (rows + passes - 1) / passes;
+  for (int64_t first = 0; first < rows; first += chunk) {
+    const int64_t last = std::min(rows, first + chunk);
+    for (int64_t p = begin; p < end; ++p) {
+      expand_panel<Format>(blocks + p * kPanel * row_bytes, row_bytes, K, panel.data());
+      float* out = y + p * kPanel;
+      int64_t i = first;
+      for (; i + kTile <= last; i += kTile) tile_times_panel<kTile>(x + i * K, K, panel.data(), out + i * N, N);
+      switch (last - i) {
+        case 5: tile_times_panel<5>(x + i * K, K, panel.data(), out + i * N, N); break;
+        case 4: tile_times_panel<4>(x + i * K, K, panel.data(), out + i * N, N); break;
+        case 3: tile_times_panel<3>(x + i * K, K, panel.data(), out + i * N, N); break;
+        case 2: tile_times_panel<2>(x + i * K, K, panel.data(), out + i * N, N); break;
+        case 1: tile_times_panel<1>(x + i * K, K, panel.data(), out + i * N, N); break;
+        default: break;
+      }
     }
   }
 }
@@ -133,13 +236,23 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std
   const float* xp = input.data_ptr<float>();
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* yp = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    if (q4_1) {
-      output_rows<Q4_1>(xp, rows, K, bp, yp, N, begin, end);
-    } else {
-      output_rows<Q8_0>(xp, rows, K, bp, yp, N, begin, end);
-    }
-  });
+  if (rows > kDotRows && N % kPanel == 0) {
+    at::parallel_for(0, N / kPanel, 1, [&](int64_t begin, int64_t end) {
+      if (q4_1) {
+        output_panels<Q4_1>(xp, rows, K, bp, yp, N, begin, end);
+      } else {
+        output_panels<Q8_0>(xp, rows, K, bp, yp, N, begin, end);
+      }
+    });
+  } else {
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      if (q4_1) {
+        output_rows<Q4_1>(xp, rows, K, bp, yp, N, begin, end);
+      } else {
+        output_rows<Q8_0>(xp, rows, K, bp, yp, N, begin, end);
+      }
+    });
+  }
   if (bias.has_value() && bias->defined()) out.add_(*bias);
   return out;
 }
