@@ -1,5 +1,5 @@
-"""Projections from GGUF blocks vs oneDNN's packed float32, per row count: where should
-``flexpage::block_linear`` hand over to the packed weight (``gguf_linear.MAX_BLOCK_ROWS``)?
+"""Projections from GGUF blocks vs oneDNN's packed float32, per row count: is
+``flexpage::block_linear`` as fast at every row count (so a projection need not keep both)?
 
     python -m bench.gguf_linear [--rows 1 2 3 4 6 8 16] [--reps 15] [--rounds 3]
 
@@ -69,7 +69,7 @@ def main() -> None:
 
         def from_blocks() -> None:
             for blocks, _, weight in projections:
-                gguf_linear.block_linear(inputs[weight.shape[1]], blocks, None, None)
+                gguf_linear.block_linear(inputs[weight.shape[1]], blocks)
 
         def from_packed() -> None:
             for _, packed, weight in projections:
@@ -81,7 +81,7 @@ def main() -> None:
         for blocks, packed, weight in projections[:4]:
             x = inputs[weight.shape[1]]
             reference = x.double() @ weight.double().T
-            results = (gguf_linear.block_linear(x, blocks, None, None),
+            results = (gguf_linear.block_linear(x, blocks),
                        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
             errors = [max(e, (r.double() - reference).abs().max().item()) for e, r in zip(errors, results)]
         print(f"{rows:>4} {blocks_us / 1e3:>10.1f} {packed_us / 1e3:>10.1f} {blocks_us / packed_us:>14.2f} "

@@ -2,7 +2,7 @@
 
 * The blocks expand to the weights GGUF's own dequantisation gives, and the kernel computes
   ``x @ W.T + bias`` with them to float32 rounding (against float64), for any row count.
-* Past ``max_rows`` rows it hands over to the packed float32 weight: oneDNN's bits exactly.
+* A projection given blocks keeps the blocks only (no float32 weight) and computes from them.
 * The tensor table is read as ``gguf.GGUFReader`` reads it (without its metadata values).
 * :func:`gguf_blocks` returns a model's blocks only where they expand to exactly its float32
   weights, undoing llama.cpp's q/k row permutation; a tied LM head gets the embedding's.
@@ -67,34 +67,35 @@ def test_kernel_matches_float64_for_any_row_count(kind, out_features, in_feature
     raw = _blocks(kind, out_features, in_features, seed=rows)
     weight = gguf_linear.expand(kind, raw).double()
     x, bias = torch.randn(rows, in_features), torch.randn(out_features)
-    out = gguf_linear.block_linear(x, gguf_linear.repack(kind, raw), None, bias)
+    out = gguf_linear.block_linear(x, gguf_linear.repack(kind, raw), bias)
     expected = x.double() @ weight.T + bias.double()
     assert out.dtype == torch.float32 and out.shape == (rows, out_features)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN for the packed weight")
-def test_more_rows_than_max_rows_run_the_packed_weight():
+def test_a_projection_with_blocks_keeps_only_the_blocks():
+    from flexpage.model.packed_linear import PackedLinear
+
     raw = _blocks("Q4_1", 48, 64)
-    blocks = gguf_linear.repack("Q4_1", raw)
-    packed = torch.ops.mkldnn._reorder_linear_weight(gguf_linear.expand("Q4_1", raw), 64)
-    for rows in (3, 4, 5, 9):
+    weight, bias = gguf_linear.expand("Q4_1", raw), torch.randn(48)
+    linear = PackedLinear(weight, bias, blocks=gguf_linear.repack("Q4_1", raw))
+    assert linear.weight is None and linear.blocks is not None and linear.owns_weight and not linear.packed
+    for rows in (1, 13, 200):
         x = torch.randn(rows, 64)
-        both = gguf_linear.block_linear(x, blocks, packed, None, max_rows=4)
-        if rows <= 4:
-            assert torch.equal(both, gguf_linear.block_linear(x, blocks, None, None))
-        else:
-            assert torch.equal(both, torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+        torch.testing.assert_close(linear(x).double(), x.double() @ weight.double().T + bias.double(),
+                                   rtol=1e-5, atol=1e-5)
+    # where blocks cannot serve (row tiles, unpacked comparisons) the float32 weight stays
+    assert PackedLinear(weight, bias, prepack=False, blocks=linear.blocks).blocks is None
 
 
 def test_bad_inputs_are_refused_naming_what_is_wrong():
     blocks = gguf_linear.repack("Q4_1", _blocks("Q4_1", 8, 64))
     with pytest.raises(RuntimeError, match="x must be float32"):
-        gguf_linear.block_linear(torch.randn(2, 64, dtype=torch.float64), blocks, None, None)
+        gguf_linear.block_linear(torch.randn(2, 64, dtype=torch.float64), blocks)
     with pytest.raises(RuntimeError, match=r"x has 96 features; blocks of 48 bytes per row hold 64 \(Q4_1\)"):
-        gguf_linear.block_linear(torch.randn(2, 96), blocks, None, None)
+        gguf_linear.block_linear(torch.randn(2, 96), blocks)
     with pytest.raises(RuntimeError, match="blocks must be a contiguous uint8"):
-        gguf_linear.block_linear(torch.randn(2, 64), blocks.float(), None, None)
+        gguf_linear.block_linear(torch.randn(2, 64), blocks.float())
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +138,7 @@ def test_a_models_blocks_are_found_only_where_they_give_its_exact_weights(tiny_g
     assert len(blocks) == LAYERS * 7 + 2 and blocks["lm_head.weight"] is blocks["model.embed_tokens.weight"]
     for name, found in blocks.items():  # expanding the kernel's blocks gives the weight
         x = torch.eye(params[name].shape[1])
-        assert torch.equal(gguf_linear.block_linear(x, found, None, None), params[name].T), name
+        assert torch.equal(gguf_linear.block_linear(x, found), params[name].T), name
     with torch.no_grad():
         params["model.layers.1.mlp.up_proj.weight"][0, 0] += 1e-3
     assert set(gguf_linear.gguf_blocks(tiny_gguf, model)) == set(blocks) - {"model.layers.1.mlp.up_proj.weight"}
@@ -151,7 +152,7 @@ def test_a_gguf_model_reads_its_blocks_and_gives_hf_greedy_tokens(compile, tiny_
     compact = llm.engine.runner.compact
     linears = [compact.lm_head, *(linear for layer in compact.layers
                                   for linear in (layer.qkv, layer.o, layer.gate_up, layer.down))]
-    assert all(linear.blocks is not None for linear in linears)
+    assert all(linear.blocks is not None and linear.weight is None for linear in linears)
     assert (llm.engine.runner.compiled_step is not None) == compile
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     reference = load_reference(tiny_gguf_folder)

@@ -105,11 +105,11 @@ class CompactDecoder:
         head = model.get_output_embeddings()
         tied = head.weight is self.embed
         self.lm_head = PackedLinear(head.weight, head.bias, prepack=prepack, row_tile=row_tile, blocks=blocks_of(head))
-        if self.lm_head.packed and not tied:  # a tied head's weight is the embedding, still needed
+        if self.lm_head.owns_weight and not tied:  # a tied head's weight is the embedding, still needed
             _release(head)
         self.rotary = base.rotary_emb
         self.layers = [self._take(layer, prepack, row_tile, blocks_of) for layer in base.layers]
-        if self.lm_head.packed:
+        if self.lm_head.owns_weight:
             _copy_unpacked_weights(model)
         _return_freed_memory()
 
@@ -204,7 +204,7 @@ def _fused(prepack: bool, row_tile: int | None, blocks_of: _BlocksOf, *linears: 
     stacked = None if any(b is None for b in blocks) else torch.cat(blocks)  # type: ignore[arg-type]
     if len(linears) == 1:
         fused = PackedLinear(linears[0].weight, linears[0].bias, prepack=prepack, row_tile=row_tile, blocks=stacked)
-        if fused.packed:
+        if fused.owns_weight:
             _release(linears[0])
         return fused
     weight = torch.cat([linear.weight for linear in linears])
@@ -216,7 +216,7 @@ def _fused(prepack: bool, row_tile: int | None, blocks_of: _BlocksOf, *linears: 
     for linear in linears:
         rows = slice(start, start + linear.out_features)
         start += linear.out_features
-        if fused.packed:
+        if fused.owns_weight:
             _release(linear)
             continue
         linear.weight = torch.nn.Parameter(weight[rows], requires_grad=False)

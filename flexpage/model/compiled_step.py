@@ -20,9 +20,9 @@ What makes the graph cheap to build and to run:
   (:meth:`flexpage.attention.kv_pool.KVPool.layer`), written with ``index_copy_`` in the graph:
   views of one shared storage made Inductor copy whole pools around every write.
 * **Packed weights as inputs**, so that one graph serves every layer; Inductor lowers the
-  oneDNN call through :mod:`flexpage.attention._packed_linear_lowering`. A projection with
-  GGUF blocks passes them too, and runs ``flexpage::block_linear``, which picks blocks or
-  packed weight by the row count at run time (:mod:`flexpage.model.gguf_linear`).
+  oneDNN call through :mod:`flexpage.attention._packed_linear_lowering`. A projection kept as
+  GGUF blocks passes them instead (its weight is None) and runs ``flexpage::block_linear``
+  (:mod:`flexpage.model.gguf_linear`).
 * **Three graphs per model.** Token rows are padded to the packed linears' buckets
   (:func:`~flexpage.model.packed_linear.padded_rows`) outside the graph, the per-step sizes
   are dynamic and padded to at least 2 (Dynamo specialises a size of 1), and tensors keep
@@ -92,7 +92,8 @@ class CompiledStep:
         self.decoder = decoder
         linears = [linear for layer in decoder.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         linears.append(decoder.lm_head)
-        packed = {linear.packed for linear in linears}
+        # projections kept as GGUF blocks run the block kernel whatever the others do
+        packed = {linear.packed for linear in linears if linear.blocks is None} or {True}
         if len(packed) != 1:
             raise ValueError("the compiled step needs every projection packed, or none")
         row_tiles = {linear.row_tile for linear in linears}
@@ -155,8 +156,9 @@ class CompiledStep:
         return padded_rows(rows, self.decoder.lm_head.row_step) if tile is None else -(-rows // tile) * tile
 
 
-def _weights(linear: PackedLinear) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """A projection's weight, its GGUF blocks (or None) and its bias, as the graph takes them."""
+def _weights(linear: PackedLinear) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """A projection's weight (None where it is kept as GGUF blocks), its blocks (or None) and its
+    bias, as the graph takes them."""
     return linear.weight, linear.blocks, linear.bias
 
 
@@ -261,8 +263,8 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
     kernel_options = dict(shape.kernel_options)
 
     def linear(x: Tensor, weight: Tensor, blocks: Tensor | None, bias: Tensor | None) -> Tensor:
-        if blocks is not None:  # decode-sized inputs read the blocks, others the packed weight
-            return block_linear(x, blocks, weight, bias)
+        if blocks is not None:
+            return block_linear(x, blocks, bias)
         if shape.row_tile is not None:
             return tiled_linear(x, weight, bias, shape.packed, shape.row_tile)
         if shape.packed:

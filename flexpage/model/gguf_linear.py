@@ -7,12 +7,12 @@ kernel's blocks (scales widened to float32: 24 and 36 bytes), 80 + 31 MB. The op
 (``flexpage::block_linear``, C++ in ``csrc/gguf_linear.cpp``) expands blocks in registers,
 per output row, for up to 12 input rows; for more it expands 16 output rows at a time into a
 float32 panel once per call and multiplies tiles of 6 input rows with it (a register-tiled
-GEMM, where the expansion is paid once rather than once per few rows). Beyond
-:data:`MAX_BLOCK_ROWS` rows it calls oneDNN on the packed float32 weight. On the 2-core AMD
+GEMM, where the expansion is paid once rather than once per few rows). On the 2-core AMD
 EPYC Zen 3 (AVX2), one forward's projections and LM head (``python -m bench.gguf_linear``)
 took 9-13 vs 27-35 ms through oneDNN's packed float32 at 1 row, 14 vs 35 at 4, 38-44 vs 45-51
 at 12, 42 vs 52 at 16, 97-107 vs 115-122 at 48, 159-181 vs 195-203 at 96, 277 vs 328 at 128,
-and within +-5% of oneDNN (either way, between runs) from 160 rows to 1,024.
+and within +-5% of oneDNN (either way, between runs) from 160 rows to 1,024. So a projection
+with blocks keeps no float32 copy (:class:`~flexpage.model.packed_linear.PackedLinear`).
 
 The blocks expand to exactly the float32 weights the model was loaded with (``d * q [+ m]``
 with ``d * q`` exact), which :func:`gguf_blocks` checks for every weight before using it:
@@ -38,12 +38,9 @@ from torch import Tensor
 from flexpage.model.dtypes import cpu_flags
 from flexpage.model.gguf_file import gguf_tensors
 
-__all__ = ["MAX_BLOCK_ROWS", "available", "block_linear", "expand", "gguf_blocks", "repack"]
+__all__ = ["available", "block_linear", "expand", "gguf_blocks", "repack"]
 
 log = logging.getLogger(__name__)
-
-#: inputs of at most this many rows read the blocks (the rest the packed float32 weight, as fast there)
-MAX_BLOCK_ROWS = 160
 
 #: bytes of one GGUF block of 32 weights: fp16 scale d [, fp16 offset m], then the codes
 GGUF_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
@@ -94,18 +91,14 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-def _block_linear_shape(x: Tensor, blocks: Tensor, packed: Tensor | None, bias: Tensor | None,
-                        max_rows: int) -> Tensor:
+def _block_linear_shape(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
     return x.new_empty(x.shape[0], blocks.shape[0])
 
 
-def block_linear(x: Tensor, blocks: Tensor, packed: Tensor | None, bias: Tensor | None,
-                 max_rows: int = MAX_BLOCK_ROWS) -> Tensor:
+def block_linear(x: Tensor, blocks: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x @ W.T + bias`` (float32) for ``W`` given as the kernel's blocks (:func:`repack`), Q4_1
-    ``[out, in / 32 * 24]`` or Q8_0 ``[out, in / 32 * 36]``: read from the blocks for at most
-    ``max_rows`` rows of ``x``, else through ``packed``, ``W`` packed for oneDNN (None: the
-    blocks for any row count). Needs :func:`available`."""
-    return torch.ops.flexpage.block_linear(x, blocks, packed, bias, max_rows)
+    ``[out, in / 32 * 24]`` or Q8_0 ``[out, in / 32 * 36]``. Needs :func:`available`."""
+    return torch.ops.flexpage.block_linear(x, blocks, bias)
 
 
 def expand(kind: str, blocks: Tensor) -> Tensor:

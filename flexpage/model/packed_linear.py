@@ -135,19 +135,31 @@ class PackedLinear:
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None, *, prepack: bool = True,
                  row_tile: int | None = None, blocks: Tensor | None = None) -> None:
-        """``blocks``: ``weight`` as GGUF blocks (:mod:`~flexpage.model.gguf_linear`), read
-        for decode-sized inputs; used with a packed float32 weight and no row tile only."""
+        """``blocks``: ``weight`` as GGUF blocks (:mod:`~flexpage.model.gguf_linear`). Where
+        they can serve (float32, packing allowed, no row tile) the layer keeps the blocks only
+        and ``weight`` is None: the block kernel reads a fifth of float32's bytes and is as fast
+        as oneDNN's packed float32 at every row count."""
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.packed = prepack and can_prepack(weight)
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT) if self.packed else weight
         self.row_tile = row_tile
         self.row_step = row_step(weight.dtype)
-        usable = self.packed and row_tile is None and weight.dtype == torch.float32
+        usable = prepack and row_tile is None and weight.dtype == torch.float32
         self.blocks = blocks if usable else None
+        self.packed = self.blocks is None and prepack and can_prepack(weight)
+        self.weight = (None if self.blocks is not None
+                       else torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT) if self.packed
+                       else weight)
+
+    @property
+    def owns_weight(self) -> bool:
+        """True when the layer computes from a copy of its own (packed, or blocks): the weight it
+        was made from is no longer needed."""
+        return self.packed or self.blocks is not None
 
     def __call__(self, x: Tensor) -> Tensor:
         """``x``: ``[rows, in_features]`` -> ``[rows, out_features]``."""
+        if self.blocks is not None:
+            return block_linear(x.contiguous(), self.blocks, self.bias)
         if self.row_tile is not None:
             return _tiled_linear(x, self.weight, self.bias, self.packed, self.row_tile)
         if not self.packed:
@@ -155,12 +167,8 @@ class PackedLinear:
         rows = x.shape[0]
         padded = padded_rows(rows, self.row_step)
         x = F.pad(x, (0, 0, 0, padded - rows)) if padded != rows else x.contiguous()
-        if self.blocks is not None:
-            out = block_linear(x, self.blocks, self.weight, self.bias)
-        else:
-            out = _linear(x, self.weight, self.bias, True)
+        out = _linear(x, self.weight, self.bias, True)
         return out[:rows] if padded != rows else out
-
 
     def prime(self, max_rows: int) -> None:
         """Build the kernel of every row bucket up to ``max_rows`` now, not on a request's path."""

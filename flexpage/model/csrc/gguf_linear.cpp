@@ -13,8 +13,8 @@
 // block into registers and multiplies it with up to four input rows, so the weights stream from
 // memory once per call (Q4_1: a fifth of float32's bytes). More rows would expand each block
 // again for every four rows: instead each thread expands 16 output rows at a time into a float32
-// panel and runs a register-tiled GEMM over it (output_panels). Past max_rows the op calls oneDNN
-// on the weight packed for it, which is as fast there (bench/gguf_linear.py).
+// panel and runs a register-tiled GEMM over it (output_panels): on the 2-core Zen 3 as fast as
+// oneDNN's packed float32 from 160 rows up, faster below (bench/gguf_linear.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -23,7 +23,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <string>
 #include <vector>
 
 namespace {
@@ -205,20 +204,8 @@ void output_panels(const float* x, int64_t rows, int64_t K, const uint8_t* block
   }
 }
 
-// oneDNN's linear on a weight packed by mkldnn::_reorder_linear_weight (as eager code calls it)
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  std::vector<c10::IValue> stack{x, weight, bias, std::string("none"), c10::List<std::optional<c10::Scalar>>(),
-                                 std::string("")};
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
-}
-
-// x @ W.T + bias: from the blocks for at most max_rows input rows, else from the float32
-// weight packed for oneDNN (whose blocked kernels win once the weights are reused across rows).
-at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& packed,
-                        const std::optional<at::Tensor>& bias, int64_t max_rows) {
+// x @ W.T + bias from the blocks, for any number of rows
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "block_linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "block_linear: x must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.dim() == 2, "block_linear: x must be [rows, in_features], got ", x.sizes());
@@ -229,7 +216,6 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std
   TORCH_CHECK(q4_1 || (K % kBlock == 0 && row_bytes == K / kBlock * Q8_0::kBytes), "block_linear: x has ", K,
               " features; blocks of ", row_bytes, " bytes per row hold ", row_bytes / Q4_1::kBytes * kBlock,
               " (Q4_1) or ", row_bytes / Q8_0::kBytes * kBlock, " (Q8_0)");
-  if (rows > max_rows && packed.has_value() && packed->defined()) return packed_linear(x, *packed, bias);
   const at::Tensor input = x.contiguous();
   at::Tensor out = at::empty({rows, N}, x.options());
   if (rows == 0 || N == 0) return out;
@@ -260,14 +246,9 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(flexpage, m) {
-  m.def("block_linear(Tensor x, Tensor blocks, Tensor? packed, Tensor? bias, int max_rows) -> Tensor");
+  m.def("block_linear(Tensor x, Tensor blocks, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flexpage, CPU, m) {
-  m.impl("block_linear", &block_linear);
-}
-
-// the packed weight is an MKLDNN tensor, whose dispatch key wins when it is passed
-TORCH_LIBRARY_IMPL(flexpage, MkldnnCPU, m) {
   m.impl("block_linear", &block_linear);
 }
