@@ -125,8 +125,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # seconds a rank waits in a collective for a peer before the engine fails (a hung rank)
     tensor_parallel_timeout: float = 120.0
-    # "auto": a GGUF model's Q4_1/Q8_0 projections and LM head read their blocks for decode-sized
-    # inputs (float32, flexpage.model.gguf_linear; same weights, a fifth of the bytes); "none": float32 only
+    # "auto": a GGUF model's Q4_1/Q8_0 projections and LM head are computed from their blocks
+    # (float32, flexpage.model.gguf_linear; same weights, a fifth of the bytes); "none": float32 only
     quantization: str = "auto"
 
     def __post_init__(self) -> None:

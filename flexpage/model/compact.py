@@ -81,7 +81,7 @@ class CompactDecoder:
         and the LM head's vocabulary slices are gathered.
 
         ``blocks``: weights as GGUF blocks by HF parameter name
-        (:func:`~flexpage.model.gguf_linear.gguf_blocks`), read for decode-sized inputs."""
+        (:func:`~flexpage.model.gguf_linear.gguf_blocks`), computed from in place of the weights."""
         if not supports(model):
             raise ValueError(f"model: a {type(model).__name__} (model_type={model.config.model_type!r}) is not a "
                              f"Llama-family decoder ({', '.join(sorted(_LLAMA_FAMILY))} with SiLU MLPs)")

@@ -218,7 +218,7 @@ class ModelRunner:
 
         ``gguf_path``: the GGUF ``model`` was converted from. On the compact forward in float32
         (not deterministic, one process), projections and the LM head it holds as Q4_1 or Q8_0
-        read those blocks for decode-sized inputs (:mod:`~flexpage.model.gguf_linear`).
+        are computed from those blocks (:mod:`~flexpage.model.gguf_linear`).
         """
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl: got {model_impl!r}, expected one of {MODEL_IMPLS}")
