@@ -2,7 +2,8 @@
 
 * The blocks expand to the weights GGUF's own dequantisation gives, and the kernel computes
   ``x @ W.T + bias`` with them to float32 rounding (against float64), for any row count.
-* A projection given blocks keeps the blocks only (no float32 weight) and computes from them.
+* A projection given blocks keeps the blocks only (no float32 weight) and computes from them;
+  an embedding kept as blocks gives exactly its table's rows.
 * The tensor table is read as ``gguf.GGUFReader`` reads it (without its metadata values).
 * :func:`gguf_blocks` returns a model's blocks only where they expand to exactly its float32
   weights, undoing llama.cpp's q/k row permutation; a tied LM head gets the embedding's.
@@ -88,6 +89,14 @@ def test_a_projection_with_blocks_keeps_only_the_blocks():
     assert PackedLinear(weight, bias, prepack=False, blocks=linear.blocks).blocks is None
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_embedding_rows_from_blocks_are_the_tables_rows_exactly(kind):
+    raw = _blocks(kind, 50, 96)
+    token_ids = torch.tensor([3, 0, 49, 3, 17])
+    rows = gguf_linear.embedding(token_ids, gguf_linear.repack(kind, raw), 96)
+    assert rows.dtype == torch.float32 and torch.equal(rows, gguf_linear.expand(kind, raw)[token_ids])
+
+
 def test_bad_inputs_are_refused_naming_what_is_wrong():
     blocks = gguf_linear.repack("Q4_1", _blocks("Q4_1", 8, 64))
     with pytest.raises(RuntimeError, match="x must be float32"):
@@ -153,6 +162,7 @@ def test_a_gguf_model_reads_its_blocks_and_gives_hf_greedy_tokens(compile, tiny_
     linears = [compact.lm_head, *(linear for layer in compact.layers
                                   for linear in (layer.qkv, layer.o, layer.gate_up, layer.down))]
     assert all(linear.blocks is not None and linear.weight is None for linear in linears)
+    assert compact.embed is None and compact.embed_blocks is not None  # the Q8_0 embedding, looked up from blocks
     assert (llm.engine.runner.compiled_step is not None) == compile
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     reference = load_reference(tiny_gguf_folder)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flexpage.model.gguf_linear import embedding
 from flexpage.model.packed_linear import PackedLinear
 from flexpage.model.tensor_parallel import TensorParallel
 
@@ -105,7 +106,14 @@ class CompactDecoder:
         head = model.get_output_embeddings()
         tied = head.weight is self.embed
         self.lm_head = PackedLinear(head.weight, head.bias, prepack=prepack, row_tile=row_tile, blocks=blocks_of(head))
-        if self.lm_head.owns_weight and not tied:  # a tied head's weight is the embedding, still needed
+        self.hidden_size = self.embed.shape[1]
+        # the embedding kept as GGUF blocks where the projections may be (one process, float32)
+        usable = prepack and row_tile is None and parallel is None and self.embed.dtype == torch.float32
+        self.embed_blocks = blocks_of(base.embed_tokens) if usable else None
+        if self.embed_blocks is not None:
+            self.embed = None
+            _release(base.embed_tokens)
+        if self.lm_head.owns_weight and (not tied or self.embed is None):  # a tied head's weight is the embedding
             _release(head)
         self.rotary = base.rotary_emb
         self.layers = [self._take(layer, prepack, row_tile, blocks_of) for layer in base.layers]
@@ -162,6 +170,8 @@ class CompactDecoder:
 
     def embed_tokens(self, token_ids: Tensor) -> Tensor:
         """The embedding rows of ``token_ids`` (gathered from the rank that holds each)."""
+        if self.embed_blocks is not None:
+            return embedding(token_ids, self.embed_blocks, self.hidden_size)
         if self.parallel is None:
             return F.embedding(token_ids, self.embed)
         return self.parallel.embed(token_ids, self.embed)
@@ -178,7 +188,7 @@ class CompactDecoder:
     def rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """``cos, sin`` ``[T, 1, D]`` (model dtype) for ``x*cos + roll(x, D/2)*sin`` at ``positions``:
         ``sin``'s first half is negated, which makes the roll HF's ``rotate_half``."""
-        cos, sin = self.rotary(self.embed[:1], positions[None])  # [1, T, D]; the tensor gives dtype and device
+        cos, sin = self.rotary(self.final_norm, positions[None])  # [1, T, D]; the tensor gives dtype and device
         half = self.head_dim // 2
         return cos[0, :, None], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)[:, None]
 

@@ -47,7 +47,7 @@ from flexpage.attention.kv_pool import KVPool
 from flexpage.attention.paging import AttentionGroup, PagedBatch
 from flexpage.attention.recipe import Recipe
 from flexpage.model.compact import CompactDecoder, rms_norm
-from flexpage.model.gguf_linear import block_linear
+from flexpage.model.gguf_linear import block_linear, embedding
 from flexpage.model.packed_linear import PackedLinear, padded_rows, tiled_linear
 from flexpage.model.tensor_parallel import TensorParallel
 
@@ -77,6 +77,7 @@ class _Shape:
     #: tensor parallelism: this rank's group (the graph holds its collectives), None: one process
     parallel: TensorParallel | None = None
     vocab_size: int = 0  # the LM head's real rows (padded for tensor parallelism)
+    hidden: int = 0  # the embedding's columns (an embedding kept as GGUF blocks is uint8)
 
 
 class CompiledStep:
@@ -108,7 +109,7 @@ class CompiledStep:
             page_size=pool.block_size, pages_per_block=pages_per_block, recipe=recipe,
             kernel_options=tuple(sorted(options.items())),
             gathered_dtype=gathered_attention_dtype(pool.dtype, pool.device, deterministic),
-            parallel=decoder.parallel, vocab_size=decoder.vocab_size,
+            parallel=decoder.parallel, vocab_size=decoder.vocab_size, hidden=decoder.hidden_size,
         )
         self.layer_weights = tuple(
             (layer.input_norm, *_weights(layer.qkv), layer.q_norm, layer.k_norm, *_weights(layer.o),
@@ -117,6 +118,7 @@ class CompiledStep:
         )
         self.layer_pools = tuple(pool.layer(i) for i in range(len(decoder.layers)))
         self.head = (decoder.final_norm, *_weights(decoder.lm_head))
+        self.embed = decoder.embed if decoder.embed_blocks is None else decoder.embed_blocks
         self.steps_run = 0  # steps this object ran (tests and profiles read it)
 
     @staticmethod
@@ -145,7 +147,7 @@ class CompiledStep:
             plan.extend(_PLANS[_kind(group)](group))  # type: ignore[index]
         program = _program(self.shape, tuple((_kind(g), g.q_block, g.kv_block) for g in batch.groups))
         self.steps_run += 1
-        logits = call_compiled(program, self.decoder.embed, self.layer_weights, self.layer_pools, self.head,
+        logits = call_compiled(program, self.embed, self.layer_weights, self.layer_pools, self.head,
                                *step_inputs, *plan)
         return logits[:sampled]
 
@@ -365,7 +367,12 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
 
     def forward(embed: Tensor, layer_weights: tuple, layer_pools: tuple, head: tuple, token_ids: Tensor,
                 cos: Tensor, sin: Tensor, slots: Tensor, kv_rows: Tensor, sample_rows: Tensor, *plan: Tensor) -> Tensor:
-        hidden = F.embedding(token_ids, embed) if shape.parallel is None else shape.parallel.embed(token_ids, embed)
+        if embed.dtype == torch.uint8:  # GGUF blocks
+            hidden = embedding(token_ids, embed, shape.hidden)
+        elif shape.parallel is None:
+            hidden = F.embedding(token_ids, embed)
+        else:
+            hidden = shape.parallel.embed(token_ids, embed)
         for weights, (k_pool, v_pool) in zip(layer_weights, layer_pools):
             (input_norm, qkv_w, qkv_blocks, qkv_b, q_norm, k_norm, o_w, o_blocks, o_b, post_norm, gu_w, gu_blocks, gu_b,
              down_w, down_blocks, down_b) = weights

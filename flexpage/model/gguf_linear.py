@@ -38,7 +38,7 @@ from torch import Tensor
 from flexpage.model.dtypes import cpu_flags
 from flexpage.model.gguf_file import gguf_tensors
 
-__all__ = ["available", "block_linear", "expand", "gguf_blocks", "repack"]
+__all__ = ["available", "block_linear", "embedding", "expand", "gguf_blocks", "repack"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,20 @@ def block_linear(x: Tensor, blocks: Tensor, bias: Tensor | None = None) -> Tenso
     """``x @ W.T + bias`` (float32) for ``W`` given as the kernel's blocks (:func:`repack`), Q4_1
     ``[out, in / 32 * 24]`` or Q8_0 ``[out, in / 32 * 36]``. Needs :func:`available`."""
     return torch.ops.flexpage.block_linear(x, blocks, bias)
+
+
+def embedding(token_ids: Tensor, blocks: Tensor, features: int) -> Tensor:
+    """Rows ``token_ids`` of an embedding table of ``features`` columns kept as the kernel's
+    blocks (:func:`repack`), expanded after the lookup: exactly the float32 rows of the table
+    (``d * q [+ m]`` as :func:`expand` computes it). Plain tensor operations (compiles)."""
+    rows = blocks[token_ids].view(token_ids.shape[0], features // 32, -1)
+    if rows.shape[-1] == BLOCK_BYTES["Q8_0"]:
+        d = rows[..., :4].contiguous().view(torch.float32)
+        return (d * rows[..., 4:].contiguous().view(torch.int8).float()).reshape(-1, features)
+    scales = rows[..., :8].contiguous().view(torch.float32)  # d, m
+    codes = rows[..., 8:]
+    q = torch.cat((codes & 0x0F, codes >> 4), dim=-1).float()
+    return (scales[..., :1] * q + scales[..., 1:]).reshape(-1, features)
 
 
 def expand(kind: str, blocks: Tensor) -> Tensor:
