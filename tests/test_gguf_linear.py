@@ -8,8 +8,8 @@
 * :func:`gguf_blocks` returns a model's blocks only where they expand to exactly its float32
   weights, undoing llama.cpp's q/k row permutation; a tied LM head gets the embedding's.
 * Through the engine, a GGUF model reads its blocks (projections and LM head; eager and
-  compiled steps) and gives HF ``generate``'s greedy tokens; ``quantization="none"`` keeps
-  float32 only.
+  compiled steps) and gives HF ``generate``'s greedy tokens, also from compiled steps a
+  previous engine saved; ``quantization="none"`` keeps float32 only.
 """
 
 from __future__ import annotations
@@ -167,6 +167,29 @@ def test_a_gguf_model_reads_its_blocks_and_gives_hf_greedy_tokens(compile, tiny_
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     reference = load_reference(tiny_gguf_folder)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(reference, p, NEW_TOKENS) for p in PROMPTS]
+
+
+@pytest.mark.usefixtures("single_torch_thread")
+def test_the_next_engine_loads_the_compiled_steps_the_first_saved(tiny_gguf, tiny_gguf_folder, monkeypatch, tmp_path):
+    """A later process skips Dynamo's tracing (:mod:`flexpage.model.step_cache`): the second
+    engine compiles nothing, reads the first one's programs, and gives the same greedy tokens."""
+    from flexpage import LLM
+    from flexpage.model import compiled_step, step_cache
+
+    monkeypatch.setattr(step_cache, "program_dir", lambda: tmp_path)
+    tokens, saved = [], []
+    try:
+        for _ in range(2):
+            compiled_step._program.cache_clear()  # forget the programs, as a new process has
+            llm = LLM(str(tiny_gguf), dtype="float32", compile=True, num_blocks=128)
+            outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+            tokens.append([o.outputs[0].token_ids for o in outputs])
+            saved.append(sorted(tmp_path.glob("*.bin")))
+    finally:
+        compiled_step._program.cache_clear()  # later tests must not save into tmp_path
+    assert saved[0] and saved[1] == saved[0]  # the first engine saved programs, the second added none
+    reference = load_reference(tiny_gguf_folder)
+    assert tokens[0] == tokens[1] == [hf_greedy(reference, p, NEW_TOKENS) for p in PROMPTS]
 
 
 @pytest.mark.usefixtures("single_torch_thread", "kv_blocks_returned")

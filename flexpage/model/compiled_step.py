@@ -41,7 +41,7 @@ from torch import Tensor
 
 from flexpage.attention import torch_patches
 from flexpage.attention.flex import (
-    _gathered_group_attention, _group_attention, call_compiled, gathered_attention_dtype, kernel_options_for,
+    _gathered_group_attention, _group_attention, gathered_attention_dtype, kernel_options_for,
 )
 from flexpage.attention.kv_pool import KVPool
 from flexpage.attention.paging import AttentionGroup, PagedBatch
@@ -49,6 +49,7 @@ from flexpage.attention.recipe import Recipe
 from flexpage.model.compact import CompactDecoder, rms_norm
 from flexpage.model.gguf_linear import block_linear, embedding
 from flexpage.model.packed_linear import PackedLinear, padded_rows, tiled_linear
+from flexpage.model.step_cache import Program, SavedProgram, program_key, traced_in_each_process
 from flexpage.model.tensor_parallel import TensorParallel
 
 __all__ = ["CompiledStep"]
@@ -64,6 +65,7 @@ class _Shape:
     eps: float
     scale: float
     packed: bool  # projections run oneDNN's packed kernel (else F.linear)
+    onednn_weights: bool  # some weights are in oneDNN's packed layout
     #: deterministic mode: projections run in calls of exactly this many rows, as eager ones do
     #: (:func:`~flexpage.model.packed_linear.tiled_linear`); None: one call per projection
     row_tile: int | None
@@ -105,6 +107,7 @@ class CompiledStep:
         self.shape = _Shape(
             heads=decoder.num_heads, kv_heads=decoder.num_kv_heads, head_dim=decoder.head_dim, eps=decoder.eps,
             scale=decoder.scale, packed=packed.pop(), row_tile=row_tiles.pop(),
+            onednn_weights=any(linear.weight is not None and linear.weight.is_mkldnn for linear in linears),
             qk_norm=decoder.layers[0].q_norm is not None,
             page_size=pool.block_size, pages_per_block=pages_per_block, recipe=recipe,
             kernel_options=tuple(sorted(options.items())),
@@ -140,15 +143,13 @@ class CompiledStep:
         # the K/V rows to write and their slots, at least two (a lone token's written twice)
         kv_rows = _at_least_two(torch.arange(tokens))
         step_inputs = [token_ids, cos, sin, _at_least_two(batch.slots), kv_rows, sample_rows]
-        for t in step_inputs:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
+        dynamic = [(t, 0) for t in step_inputs]
         plan: list[Tensor] = []
         for group in batch.groups:
-            plan.extend(_PLANS[_kind(group)](group))  # type: ignore[index]
+            plan.extend(_PLANS[_kind(group)](group, dynamic))  # type: ignore[index]
         program = _program(self.shape, tuple((_kind(g), g.q_block, g.kv_block) for g in batch.groups))
         self.steps_run += 1
-        logits = call_compiled(program, self.embed, self.layer_weights, self.layer_pools, self.head,
-                               *step_inputs, *plan)
+        logits = program((self.embed, self.layer_weights, self.layer_pools, self.head, *step_inputs, *plan), dynamic)
         return logits[:sampled]
 
     def _padded_rows(self, rows: int) -> int:
@@ -199,22 +200,21 @@ def _at_least_two(index: Tensor) -> Tensor:
     return index.repeat(_MIN_SIZE) if index.shape[0] == 1 else index
 
 
-def _decode_plan(group: AttentionGroup) -> list[Tensor]:
-    """A decode group's per-step tensors, marked dynamic where they vary between steps
-    (as :func:`flexpage.attention.flex._mark_dynamic_rows` does)."""
+def _decode_plan(group: AttentionGroup, dynamic: list[tuple[Tensor, int]]) -> list[Tensor]:
+    """A decode group's per-step tensors; their sizes that vary between steps go to ``dynamic``
+    (as :func:`flexpage.attention.flex._mark_dynamic_rows` marks them)."""
     rows = max(group.rows, _MIN_SIZE)
     row_tensors = [_standard_strides(_pad_to(t, 0, rows)) for t in (
         group.kv_num_blocks, group.kv_indices, group.full_kv_num_blocks, group.full_kv_indices, group.row_seq,
         group.block_table, group.q_start, group.seq_len, group.gather_index)]
     scatter_rows, scatter_tokens = _at_least_two(group.scatter_rows), _at_least_two(group.scatter_tokens)
     plan = [group.page_to_logical, *row_tensors, scatter_rows, scatter_tokens]
-    for t in plan[1:]:
-        torch._dynamo.maybe_mark_dynamic(t, 0)
-    torch._dynamo.maybe_mark_dynamic(plan[6], 1)  # the block table: pages per row grow with the longest sequence
+    dynamic.extend((t, 0) for t in plan[1:])
+    dynamic.append((plan[6], 1))  # the block table: pages per row grow with the longest sequence
     return plan
 
 
-def _row_decode_plan(group: AttentionGroup) -> list[Tensor]:
+def _row_decode_plan(group: AttentionGroup, dynamic: list[tuple[Tensor, int]]) -> list[Tensor]:
     """A virtual-layout decode group's per-step tensors (as :func:`_decode_plan`, with each
     row's first slot in place of the page table)."""
     rows = max(group.rows, _MIN_SIZE)
@@ -222,12 +222,11 @@ def _row_decode_plan(group: AttentionGroup) -> list[Tensor]:
         group.kv_num_blocks, group.kv_indices, group.full_kv_num_blocks, group.full_kv_indices, group.row_seq,
         group.q_start, group.seq_len, group.kv_start, group.gather_index)]
     plan += [_at_least_two(group.scatter_rows), _at_least_two(group.scatter_tokens)]
-    for t in plan:
-        torch._dynamo.maybe_mark_dynamic(t, 0)
+    dynamic.extend((t, 0) for t in plan)
     return plan
 
 
-def _prefill_plan(group: AttentionGroup) -> list[Tensor]:
+def _prefill_plan(group: AttentionGroup, dynamic: list[tuple[Tensor, int]]) -> list[Tensor]:
     """A prefill group's per-step tensors (as :func:`flexpage.attention.flex._mark_dynamic_gathered`);
     the query gather comes as ``[rows, query length]``, which gives the graph both sizes. In
     the virtual layout (no gathered copy) the key slots are left out. Decode rows over gathered
@@ -243,11 +242,8 @@ def _prefill_plan(group: AttentionGroup) -> list[Tensor]:
     scatter_rows = group.scatter_rows // group.q_len * q_len + group.scatter_rows % group.q_len
     keys = [group.kv_slots] if group.kv_slots is not None else []
     plan = [*blocks, *per_row, *keys, gather, _at_least_two(scatter_rows), _at_least_two(group.scatter_tokens)]
-    dynamic = ((0, 2), (0, 2, 3), (0, 2), (0, 2, 3), (0,), (0,), (0,), (0,), *[(0,)] * len(keys), (0, 1), (0,), (0,))
-    for t, dims in zip(plan, dynamic):
-        for dim in dims:
-            if t.shape[dim] > 1:
-                torch._dynamo.maybe_mark_dynamic(t, dim)
+    varying = ((0, 2), (0, 2, 3), (0, 2), (0, 2, 3), (0,), (0,), (0,), (0,), *[(0,)] * len(keys), (0, 1), (0,), (0,))
+    dynamic.extend((t, dim) for t, dims in zip(plan, varying) for dim in dims if t.shape[dim] > 1)
     return plan
 
 
@@ -257,9 +253,23 @@ _PLAN_SIZES = {"decode": 12, "prefill": 12, "gathered_decode": 12, "row_decode":
 
 
 @functools.cache
-def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callable[..., Tensor]:
+def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Program:
     """The compiled step for one model shape and one set of attention groups ((kind, query
-    block, key block) each), shared by every runner of that shape."""
+    block, key block) each), shared by every runner of that shape: saved on disk for the next
+    process (:mod:`flexpage.model.step_cache`), except under tensor parallelism (the graph
+    holds the rank's process group), with oneDNN-packed weights (their guards cannot be
+    saved) or where a constant cannot be named by its content."""
+    compiled = torch.compile(_forward(shape, groups), dynamic=False, fullgraph=True)
+    if shape.parallel is None and not shape.onednn_weights:
+        try:
+            return SavedProgram(compiled, program_key(shape, groups))
+        except TypeError:
+            pass
+    return traced_in_each_process(compiled)
+
+
+def _forward(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callable[..., Tensor]:
+    """The step's forward for one model shape and one set of attention groups."""
     heads, kv_heads, dim = shape.heads, shape.kv_heads, shape.head_dim
     group_size = heads // kv_heads
     kernel_options = dict(shape.kernel_options)
@@ -388,4 +398,4 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
             return logits
         return shape.parallel.gather_columns(logits)[:, : shape.vocab_size]
 
-    return torch.compile(forward, dynamic=False, fullgraph=True)
+    return forward

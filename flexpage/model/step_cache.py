@@ -1,0 +1,198 @@
+"""Compiled steps kept on disk, so that a later process loads them instead of tracing again.
+
+Why: Inductor's caches make a second start skip code generation, but not Dynamo: every start
+re-traced the 30 layers of each step variant to find the graph it had already compiled, ~3.5 s
+per variant on 2 cores (10 of a warm start's 22 s). torch's ahead-of-time compile
+(``aot_compile``) saves the traced program, its guards and Inductor's output in one file
+that loads in ~0.5 s.
+
+A program's files are named by a fingerprint of what the graph bakes in but does not guard:
+the torch and Python versions, flexpage's own source, and the step's constants (head counts,
+the recipe's functions and the values they close over, kernel options with the CPU's vector
+ISA, the attention groups). Guards check the rest -- tensor dtypes, shapes, strides, the
+grad mode -- on every call; a call no saved program accepts compiles one more and saves it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import hashlib
+import logging
+import pathlib
+import platform
+import types
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flexpage.attention.flex import call_compiled
+
+__all__ = ["Program", "SavedProgram", "fingerprint", "program_dir", "program_key", "traced_in_each_process"]
+
+log = logging.getLogger(__name__)
+
+#: the folder (under Inductor's cache directory) that holds the saved programs
+PROGRAM_FOLDER = "flexpage-steps"
+
+
+def program_dir() -> pathlib.Path:
+    """Where saved programs live: beside Inductor's own caches (``$TORCHINDUCTOR_CACHE_DIR``,
+    which flexpage points at ``~/.cache/flexpage/inductor``), so clearing one clears both."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return pathlib.Path(cache_dir()) / PROGRAM_FOLDER
+
+
+@functools.cache
+def _source_digest() -> str:
+    """A hash of flexpage's source files: a saved program is the code that traced it."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h") and p.is_file()):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def fingerprint(value: object) -> str:
+    """A stable text naming ``value`` by content: numbers, strings, dtypes, tuples, dicts,
+    dataclasses, tensors (by their bytes) and functions (by their code, defaults and the
+    values they close over). Raises TypeError for anything else: a value this cannot name
+    must not share a saved program with another."""
+    parts: list[str] = []
+    _fingerprint_into(value, parts)
+    return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
+
+
+def _fingerprint_into(value: object, parts: list[str]) -> None:
+    if value is None or isinstance(value, (bool, int, float, str, bytes, torch.dtype, torch.device, enum.Enum)):
+        parts.append(f"{type(value).__name__}:{value!r}")
+    elif isinstance(value, (tuple, list)):
+        parts.append(f"{type(value).__name__}[{len(value)}")
+        for item in value:
+            _fingerprint_into(item, parts)
+    elif isinstance(value, dict):
+        parts.append(f"dict[{len(value)}")
+        for key in sorted(value, key=repr):
+            _fingerprint_into(key, parts)
+            _fingerprint_into(value[key], parts)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        parts.append(type(value).__qualname__)
+        for field in dataclasses.fields(value):
+            _fingerprint_into(getattr(value, field.name), parts)
+    elif isinstance(value, Tensor):
+        data = value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        parts.append(f"tensor:{value.dtype}:{tuple(value.shape)}:{hashlib.sha256(data).hexdigest()}")
+    elif isinstance(value, types.FunctionType):
+        parts.append(f"function:{value.__module__}.{value.__qualname__}")
+        _fingerprint_into(value.__code__, parts)
+        _fingerprint_into(value.__defaults__, parts)
+        _fingerprint_into(tuple(cell.cell_contents for cell in value.__closure__ or ()), parts)
+    elif isinstance(value, types.CodeType):
+        parts.append(f"code:{value.co_code.hex()}:{value.co_names}")
+        _fingerprint_into(value.co_consts, parts)
+    else:
+        raise TypeError(f"cannot fingerprint a {type(value).__qualname__}")
+
+
+#: a compiled step: called with its arguments and the (tensor, dim) sizes that vary between steps
+Program = Callable[[Sequence[object], Sequence[tuple[Tensor, int]]], Tensor]
+
+
+def traced_in_each_process(compiled: Callable[..., Tensor]) -> Program:
+    """``compiled`` as a :data:`Program` that keeps nothing on disk: Dynamo traces it anew in
+    every process (Inductor's caches still spare it the code generation)."""
+
+    def run(args: Sequence[object], dynamic: Sequence[tuple[Tensor, int]]) -> Tensor:
+        for tensor, dim in dynamic:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        return call_compiled(compiled, *args)
+
+    return run
+
+
+class SavedProgram:
+    """A :data:`Program` from one ``torch.compile(fullgraph=True)`` function whose compiled
+    programs persist on disk.
+
+    The first call loads the programs saved under ``key``; a call that none of them accepts
+    (by its guards) compiles another with the varying sizes marked dynamic, and saves it.
+    Where torch cannot compile ahead of time (a guard it cannot serialise), the function is
+    traced in each process instead, as :func:`traced_in_each_process` does.
+    """
+
+    def __init__(self, compiled: Callable[..., Tensor], key: str, directory: pathlib.Path | None = None) -> None:
+        self.compiled = compiled
+        self.key = key
+        self.directory = directory or program_dir()
+        self.programs: list[Any] = []  # torch._dynamo.aot_compile.AOTCompiledFunction
+        self.loaded = 0  # programs read from disk (tests read these)
+        self.compiled_here = 0  # programs this process compiled
+        self._looked = False
+        self._unsaveable: Program | None = None
+
+    def __call__(self, args: Sequence[object], dynamic: Sequence[tuple[Tensor, int]]) -> Tensor:
+        if self._unsaveable is not None:
+            return self._unsaveable(args, dynamic)
+        if not self._looked:
+            self._looked = True
+            self._load()
+        for program in self.programs:
+            if program.guard_check(*args):
+                return program(*args)
+        for tensor, dim in dynamic:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        try:
+            program = self.compiled.aot_compile((tuple(args), {}))
+        except Exception as error:  # e.g. oneDNN-packed weights: their guards cannot be serialised
+            log.warning("the compiled step cannot be saved (%s: %s); it is traced in each process",
+                        type(error).__name__, error)
+            self._unsaveable = traced_in_each_process(self.compiled)
+            return self._unsaveable(args, dynamic)
+        program.disable_guard_check()  # checked above; its tensors carry the marks it was traced with
+        self.compiled_here += 1
+        self._save(program)
+        self.programs.append(program)
+        return program(*args)
+
+    def _files(self) -> list[pathlib.Path]:
+        return sorted(self.directory.glob(f"{self.key}-*.bin"))
+
+    def _load(self) -> None:
+        """Read every program saved under the key. Runs inside the first call, so the guards
+        are rebuilt under the grad mode the calls run in (a guard compares dispatch keys)."""
+        from torch._dynamo import convert_frame
+        from torch._dynamo.utils import get_metrics_context
+        from torch._guards import CompileContext, TracingContext, compile_context, tracing
+
+        for path in self._files():
+            try:
+                # loading a guard on an imported module installs it into a tracing context
+                with (compile_context(CompileContext(convert_frame.get_compile_id({}))), get_metrics_context(),
+                      tracing(TracingContext(None)), path.open("rb") as file):
+                    program = torch.compiler.load_compiled_function(file)
+            except Exception as error:  # torn, or from another torch: compile afresh, never fail a step
+                log.warning("ignoring the saved step program %s: %s", path, error)
+                continue
+            program.disable_guard_check()
+            self.programs.append(program)
+            self.loaded += 1
+
+    def _save(self, program: Any) -> None:
+        """Write ``program`` under the key (atomically: a reader sees a whole file or none)."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            program.save_compiled_function(str(self.directory / f"{self.key}-{uuid.uuid4().hex[:12]}.bin"))
+        except Exception as error:  # a full disk or an unpicklable constant costs the next start a compile
+            log.warning("could not save the compiled step program: %s", error)
+
+
+def program_key(*constants: object) -> str:
+    """The file-name key of a program: the versions, flexpage's source and ``constants``."""
+    return fingerprint((torch.__version__, platform.python_version(), platform.machine(), _source_digest(),
+                        constants))[:32]

@@ -1,0 +1,85 @@
+"""Compiled programs kept on disk (:mod:`flexpage.model.step_cache`).
+
+* A program compiled once is saved; a new :class:`SavedProgram` of the same key (what the next
+  process builds) loads it and runs it without compiling, for any size marked dynamic, with
+  the compiled function's results.
+* A call its guards refuse (another dtype) compiles and saves one more program; a torn file
+  is skipped with a warning, never a failed call.
+* Keys name content: equal constants give equal fingerprints, a changed closure value or
+  tensor gives another, and a value it cannot name is a TypeError (never a shared program).
+
+The engine-level round trip (a GGUF model's compiled step saved by one engine and loaded by
+the next, same greedy tokens) is in ``test_gguf_linear.py``, beside its model.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from flexpage.model.step_cache import SavedProgram, fingerprint
+
+
+def _step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x @ w) + 1.0
+
+
+@pytest.fixture(scope="module")
+def compiled_step():
+    return torch.compile(_step, dynamic=False, fullgraph=True)
+
+
+def _run(program: SavedProgram, rows: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    x, w = torch.randn(rows, 8, dtype=dtype), torch.randn(8, 4, dtype=dtype)
+    with torch.inference_mode():
+        return program((x, w), [(x, 0)]), _step(x, w)
+
+
+def test_a_saved_program_is_loaded_by_the_next_instance_and_runs_every_row_count(compiled_step, tmp_path):
+    first = SavedProgram(compiled_step, "k", tmp_path)
+    out, expected = _run(first, 5)
+    assert torch.allclose(out, expected)
+    assert (first.compiled_here, first.loaded, len(list(tmp_path.glob("k-*.bin")))) == (1, 0, 1)
+
+    second = SavedProgram(compiled_step, "k", tmp_path)  # as in a new process
+    for rows in (5, 3, 40):
+        out, expected = _run(second, rows)
+        assert torch.allclose(out, expected)
+    assert (second.compiled_here, second.loaded) == (0, 1)
+
+
+def test_a_call_no_saved_program_accepts_compiles_one_more(compiled_step, tmp_path):
+    _run(SavedProgram(compiled_step, "k", tmp_path), 5)
+    program = SavedProgram(compiled_step, "k", tmp_path)
+    out, expected = _run(program, 6, torch.float64)  # a dtype guard fails
+    assert torch.allclose(out, expected)
+    assert (program.compiled_here, program.loaded, len(list(tmp_path.glob("k-*.bin")))) == (1, 1, 2)
+
+
+def test_a_torn_file_is_skipped_with_a_warning(compiled_step, tmp_path, caplog):
+    _run(SavedProgram(compiled_step, "k", tmp_path), 5)
+    (tmp_path / "k-torn.bin").write_bytes(b"\x80\x04 not a whole program")
+    program = SavedProgram(compiled_step, "k", tmp_path)
+    with caplog.at_level(logging.WARNING, logger="flexpage.model.step_cache"):
+        out, expected = _run(program, 7)
+    assert torch.allclose(out, expected)
+    assert (program.compiled_here, program.loaded) == (0, 1)
+    assert "k-torn.bin" in caplog.text
+
+
+def _window_mask(window: int):
+    def mask(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return q - kv < window
+
+    return mask
+
+
+def test_fingerprints_name_content():
+    assert fingerprint((_window_mask(4), {"a": 1.0})) == fingerprint((_window_mask(4), {"a": 1.0}))
+    assert fingerprint(_window_mask(4)) != fingerprint(_window_mask(5))  # a closure value
+    assert fingerprint(torch.tensor([1.0, 2.0])) != fingerprint(torch.tensor([1.0, 3.0]))
+    assert fingerprint(torch.float32) != fingerprint(torch.bfloat16)
+    with pytest.raises(TypeError, match="cannot fingerprint a object"):
+        fingerprint(object())
