@@ -289,7 +289,10 @@ class LLMEngine:
         The compiled kernel specialises on the prefill query block and on one-row groups, so
         every length bucket runs once alone and once as a pair (each also decodes a token alone
         and in a pair), with and without a shared prefix. Compiled code is cached on disk
-        (inductor), so later processes are quicker.
+        (inductor, and the compiled steps whole), so later processes are quicker.
+
+        It returns once the KV pool is resident (:meth:`KVPool.wait_until_resident`), so no
+        request's step pays for faulting pool pages in.
         """
         if self.requests:
             raise ValueError(f"warm_up: the engine has {len(self.requests)} unfinished requests; warm up an idle one")
@@ -312,6 +315,7 @@ class LLMEngine:
             if self.config.deterministic:
                 self._warm_up_gathered_decode(ids)
             self._measure_recompute_cost()
+            self.runner.pool.wait_until_resident()
             return time.perf_counter() - start
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         batches = [[n] for n in _WARMUP_LENGTHS] + [[n, n] for n in _WARMUP_LENGTHS] + [[5, 23, 40]]
@@ -341,6 +345,7 @@ class LLMEngine:
             self._run_to_completion()
         self.reset_prefix_cache()
         self._measure_recompute_cost()
+        self.runner.pool.wait_until_resident()
         return time.perf_counter() - start
 
     def _measure_recompute_cost(self, chunk_blocks: int = 16, context_blocks: int = 128) -> None:

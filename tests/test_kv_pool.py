@@ -78,6 +78,16 @@ def test_a_pool_is_resident_when_made_so_no_step_pays_for_page_faults():
     assert pool.is_contiguous() and not pool.any()
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="resident memory is read from Linux's /proc")
+def test_a_kv_pool_is_resident_once_it_has_waited_for_its_population_thread():
+    before = _resident_mb()
+    pool = KVPool(num_layers=2, num_blocks=8192, block_size=16, num_kv_heads=4, head_dim=64,
+                  dtype=torch.bfloat16)  # 256 MiB
+    pool.wait_until_resident()
+    assert _resident_mb() - before > 240
+    assert not pool.storage.any()
+
+
 def test_small_pools_are_ordinary_tensors():
     assert allocate_pool((2, 3), torch.float32).equal(torch.zeros(2, 3))
 

@@ -6,10 +6,13 @@ query row), so attention reads the pool in place, with no gather. A *slot* is on
 position in the pool: ``slot = block_id * block_size + offset``. Block 0 is the null
 block; block tables pad with it, so padding reads harmless zeros.
 
-On the CPU the pool is anonymous memory advised onto 2 MB pages and claimed in full when
-it is made (:func:`allocate_pool`), as a serving engine reserves its KV cache up front:
+On the CPU the pool is anonymous memory advised onto 2 MB pages and claimed in full as it
+is made (:func:`allocate_pool`), as a serving engine reserves its KV cache up front:
 attention's reads of a large pool take far fewer TLB misses than on 4 KB pages, and no
 step pays for first-touch page faults (they made a 4 x 256-token prefill step ~13% slower).
+:class:`KVPool` faults the pages in on a thread of its own while the model loads and
+compiles (on some virtual machines that takes ~2.8 s per GiB);
+:meth:`KVPool.wait_until_resident` waits for it.
 
 The *virtual* layout (``layout="virtual"``) keeps this shape and these block ids over a
 reservation of address space instead (:mod:`flexpage.attention.virtual_arena`): memory
@@ -18,8 +21,10 @@ arrives page by page as tokens are written and :meth:`KVPool.release` gives it b
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -74,9 +79,21 @@ class KVPool:
         #: the virtual layout's reservation (None: paged)
         self.arena = VirtualArena(shape, dtype) if layout == "virtual" else None
         # one allocation for everything, so swap/copy of a block touches one tensor
-        self.storage = self.arena.tensor if self.arena is not None else allocate_pool(shape, dtype, self.device)
+        self.storage = self.arena.tensor if self.arena is not None else allocate_pool(
+            shape, dtype, self.device, populate=False)
+        self._populating: threading.Thread | None = None
+        if self.arena is None and _is_mapping(self.storage):
+            self._populating = threading.Thread(target=fault_in, args=(self.storage,), name="flexpage-kv-populate",
+                                                daemon=True)
+            self._populating.start()
         self._layers = [(_separate_tensor(self.storage[i, 0]), _separate_tensor(self.storage[i, 1]))
                         for i in range(num_layers)]
+
+    def wait_until_resident(self) -> None:
+        """Return once every page of a paged pool is faulted in (at once for the other layouts)."""
+        if self._populating is not None:
+            self._populating.join()
+            self._populating = None
 
     @property
     def num_slots(self) -> int:
@@ -167,15 +184,17 @@ _MADV_POPULATE_WRITE = 23
 
 
 def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu", *,
-                  populate: bool = True) -> torch.Tensor:
+                  populate: bool = True, huge_pages: bool = True) -> torch.Tensor:
     """A zero-filled tensor for KV storage.
 
-    On the CPU (from 2 MB up) it is an anonymous ``mmap`` advised onto 2 MB pages
-    (``MADV_HUGEPAGE``, where transparent huge pages are ``madvise`` or ``always``).
+    On the CPU (from 2 MB up) it is an anonymous ``mmap``, advised onto 2 MB pages
+    (``MADV_HUGEPAGE``, where transparent huge pages are ``madvise`` or ``always``) unless
+    ``huge_pages`` is false (memory that should grow in 4 KB steps as it is written).
     ``populate`` faults every page in now: the first write to a fresh 2 MB page costs the
     kernel's page allocation and zeroing, which, left to the first steps that write there,
-    made the KV scatter 7x slower (743 vs 113 us per layer for 1,024 tokens; 1 GiB took
-    1.4 s of first touches in one process and 0.12 s populated up front). Without it the
+    made the KV scatter 7x slower (743 vs 113 us per layer for 1,024 tokens). Populating
+    1 GiB took 0.12 s on a Xeon and 2.8 s on a Zen 3 virtual machine (:class:`KVPool` does
+    it on a thread, see :func:`fault_in`). Without it the
     OS hands out zeroed memory page by page as it is first written (demand paging: a
     pool's size is a reservation, not an allocation).
     """
@@ -186,15 +205,27 @@ def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     # anonymous and private (a shared mapping would be shmem, which gets no huge pages): zero-filled,
     # committed on first touch
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buffer.madvise(mmap.MADV_HUGEPAGE)
+    advice = "MADV_HUGEPAGE" if huge_pages else "MADV_NOHUGEPAGE"  # the latter also where THP is "always"
+    if hasattr(mmap, advice):
+        buffer.madvise(getattr(mmap, advice))
     pool = torch.frombuffer(buffer, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
     if populate:
-        try:
-            buffer.madvise(_MADV_POPULATE_WRITE)
-        except OSError:  # an older kernel: touch every page instead
-            pool.view(-1).view(torch.uint8)[:: mmap.PAGESIZE].zero_()
+        fault_in(pool)
     return pool
+
+
+def _is_mapping(pool: torch.Tensor) -> bool:
+    """Whether ``pool`` is one of :func:`allocate_pool`'s mappings (not a plain tensor)."""
+    return pool.device.type == "cpu" and pool.nbytes >= _HUGE_PAGE
+
+
+def fault_in(pool: torch.Tensor) -> None:
+    """Fault every page of an :func:`allocate_pool` mapping in, writable. The system call runs
+    without the GIL (ctypes), so a thread can do it while Python goes on."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if libc.madvise(pool.data_ptr(), pool.nbytes, _MADV_POPULATE_WRITE) != 0:  # an older kernel
+        pool.view(-1).view(torch.uint8)[:: mmap.PAGESIZE].zero_()  # touch every page instead
 
 
 def write_kv(

@@ -1,8 +1,10 @@
 """The bytes behind :class:`~flexpage.core.kv_tiers.KVTiers`: host slots and disk files.
 
 The host tier is one tensor laid out like the pool's slots (``[L*2*H, slots*block_size,
-D]``, all layers' K and V of a block side by side), allocated untouched: its resident memory
-grows only as slots are first written and never passes ``host_bytes``. The disk tier writes
+D]``, all layers' K and V of a block side by side), an anonymous mapping left untouched
+(:func:`~flexpage.attention.kv_pool.allocate_pool` without populating; ``torch.empty`` may
+hand back memory the process used before, resident already): its resident memory grows
+only as slots are first written and never passes ``host_bytes``. The disk tier writes
 one safetensors file per block, atomically (a temporary name, then ``os.replace``), so a
 process killed mid-write leaves a complete file or a stray temporary one, never a torn
 entry under a real name. At start-up the directory is claimed with an exclusive lock (two
@@ -20,7 +22,7 @@ from typing import BinaryIO
 import torch
 from safetensors.torch import load_file, save
 
-from flexpage.attention.kv_pool import KVPool, block_slots
+from flexpage.attention.kv_pool import KVPool, allocate_pool, block_slots
 from flexpage.core.kv_tiers import TierOp, TierOpKind
 
 __all__ = ["TierStorage"]
@@ -34,7 +36,9 @@ class TierStorage:
     def __init__(self, pool: KVPool, host_slots: int, disk_dir: str | os.PathLike[str] | None = None) -> None:
         self.pool = pool
         rows = pool.storage.numel() // (pool.num_slots * pool.head_dim)
-        self.host = torch.empty(rows, host_slots * pool.block_size, pool.head_dim, dtype=pool.dtype)
+        # 4 KB pages: a block's bytes are spread over every row, so 2 MB pages would make it all resident
+        self.host = allocate_pool((rows, host_slots * pool.block_size, pool.head_dim), pool.dtype, populate=False,
+                                  huge_pages=False)
         self.block_bytes = rows * pool.block_size * pool.head_dim * pool.storage.element_size()
         self.disk_dir: Path | None = None
         self.disk_bytes = 0  # bytes of this engine's tier files on disk now
