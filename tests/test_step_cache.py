@@ -80,6 +80,7 @@ def test_fingerprints_name_content():
     assert fingerprint((_window_mask(4), {"a": 1.0})) == fingerprint((_window_mask(4), {"a": 1.0}))
     assert fingerprint(_window_mask(4)) != fingerprint(_window_mask(5))  # a closure value
     assert fingerprint(torch.tensor([1.0, 2.0])) != fingerprint(torch.tensor([1.0, 3.0]))
+    assert fingerprint(torch.tensor(2.0)) != fingerprint(torch.tensor(3.0))
     assert fingerprint(torch.float32) != fingerprint(torch.bfloat16)
     with pytest.raises(TypeError, match="cannot fingerprint a object"):
         fingerprint(object())

@@ -59,11 +59,17 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
+@functools.cache
+def _file_digest(filename: str) -> str:
+    path = pathlib.Path(filename)
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else filename
+
+
 def fingerprint(value: object) -> str:
     """A stable text naming ``value`` by content: numbers, strings, dtypes, tuples, dicts,
-    dataclasses, tensors (by their bytes) and functions (by their code, defaults and the
-    values they close over). Raises TypeError for anything else: a value this cannot name
-    must not share a saved program with another."""
+    dataclasses, tensors (by their bytes) and functions (by their code, defaults, the values
+    they close over and their source file). Raises TypeError for anything else: a value this
+    cannot name must not share a saved program with another."""
     parts: list[str] = []
     _fingerprint_into(value, parts)
     return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
@@ -86,10 +92,11 @@ def _fingerprint_into(value: object, parts: list[str]) -> None:
         for field in dataclasses.fields(value):
             _fingerprint_into(getattr(value, field.name), parts)
     elif isinstance(value, Tensor):
-        data = value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        data = value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
         parts.append(f"tensor:{value.dtype}:{tuple(value.shape)}:{hashlib.sha256(data).hexdigest()}")
     elif isinstance(value, types.FunctionType):
-        parts.append(f"function:{value.__module__}.{value.__qualname__}")
+        # the file too: the helpers a function calls (e.g. in a recipe's file) are globals, not constants
+        parts.append(f"function:{value.__module__}.{value.__qualname__}:{_file_digest(value.__code__.co_filename)}")
         _fingerprint_into(value.__code__, parts)
         _fingerprint_into(value.__defaults__, parts)
         _fingerprint_into(tuple(cell.cell_contents for cell in value.__closure__ or ()), parts)
