@@ -105,6 +105,8 @@ def test_bad_inputs_are_refused_naming_what_is_wrong():
         gguf_linear.block_linear(torch.randn(2, 96), blocks)
     with pytest.raises(RuntimeError, match="blocks must be a contiguous uint8"):
         gguf_linear.block_linear(torch.randn(2, 64), blocks.float())
+    with pytest.raises(ValueError, match=r"30 bytes per 32 weights, neither Q4_1 \(24\) nor Q8_0 \(36\)"):
+        gguf_linear.embedding(torch.tensor([0]), torch.zeros(4, 60, dtype=torch.uint8), 64)
 
 
 @pytest.fixture(scope="module")

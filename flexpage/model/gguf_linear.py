@@ -106,13 +106,14 @@ def embedding(token_ids: Tensor, blocks: Tensor, features: int) -> Tensor:
     blocks (:func:`repack`), expanded after the lookup: exactly the float32 rows of the table
     (``d * q [+ m]`` as :func:`expand` computes it). Plain tensor operations (compiles)."""
     rows = blocks[token_ids].view(token_ids.shape[0], features // 32, -1)
-    if rows.shape[-1] == BLOCK_BYTES["Q8_0"]:
-        d = rows[..., :4].contiguous().view(torch.float32)
-        return (d * rows[..., 4:].contiguous().view(torch.int8).float()).reshape(-1, features)
-    scales = rows[..., :8].contiguous().view(torch.float32)  # d, m
-    codes = rows[..., 8:]
-    q = torch.cat((codes & 0x0F, codes >> 4), dim=-1).float()
-    return (scales[..., :1] * q + scales[..., 1:]).reshape(-1, features)
+    kind = next((k for k, width in BLOCK_BYTES.items() if width == rows.shape[-1]), None)
+    if kind is None:
+        raise ValueError(f"embedding: blocks of {blocks.shape[1]} bytes per row for {features} features are "
+                         f"{rows.shape[-1]} bytes per 32 weights, neither Q4_1 ({BLOCK_BYTES['Q4_1']}) "
+                         f"nor Q8_0 ({BLOCK_BYTES['Q8_0']})")
+    scale_bytes = 8 if kind == "Q4_1" else 4  # float32 d (and m)
+    scales = rows[..., :scale_bytes].contiguous().view(torch.float32)
+    return _dequantise(kind, scales, rows[..., scale_bytes:]).reshape(-1, features)
 
 
 def expand(kind: str, blocks: Tensor) -> Tensor:
@@ -120,13 +121,18 @@ def expand(kind: str, blocks: Tensor) -> Tensor:
     (uint8) as GGUF dequantises them: Q4_1 ``d * q + m`` (low nibbles first), Q8_0 ``d * q``."""
     rows = blocks.shape[0]
     b = blocks.view(rows, -1, GGUF_BLOCK_BYTES[kind])
+    scale_bytes = 4 if kind == "Q4_1" else 2  # float16 d (and m)
+    scales = b[..., :scale_bytes].contiguous().view(torch.float16).float()
+    return _dequantise(kind, scales, b[..., scale_bytes:]).reshape(rows, -1)
+
+
+def _dequantise(kind: str, scales: Tensor, codes: Tensor) -> Tensor:
+    """Blocks ``[..., 32]`` of float32 weights from their scales ``[..., 1 or 2]`` (float32 d,
+    and m for Q4_1) and code bytes: Q4_1 ``d * q + m`` (low nibbles first), Q8_0 ``d * q``."""
     if kind == "Q8_0":
-        d = b[..., :2].contiguous().view(torch.float16).float()  # [rows, blocks, 1]
-        return (d * b[..., 2:].contiguous().view(torch.int8).float()).reshape(rows, -1)
-    scales = b[..., :4].contiguous().view(torch.float16).float()  # [rows, blocks, 2]: d, m
-    codes = b[..., 4:]
-    q = torch.cat((codes & 0x0F, codes >> 4), dim=-1).float()  # [rows, blocks, 32]
-    return (scales[..., :1] * q + scales[..., 1:]).reshape(rows, -1)
+        return scales * codes.contiguous().view(torch.int8).float()
+    q = torch.cat((codes & 0x0F, codes >> 4), dim=-1).float()
+    return scales[..., :1] * q + scales[..., 1:]
 
 
 def repack(kind: str, blocks: Tensor) -> Tensor:
