@@ -82,7 +82,7 @@ class KVPool:
         self.storage = self.arena.tensor if self.arena is not None else allocate_pool(
             shape, dtype, self.device, populate=False)
         self._populating: threading.Thread | None = None
-        if self.arena is None and _is_mapping(self.storage):
+        if self.arena is None and _is_mapping(self.storage.device, self.storage.nbytes):
             self._populating = threading.Thread(target=fault_in, args=(self.storage,), name="flexpage-kv-populate",
                                                 daemon=True)
             self._populating.start()
@@ -200,7 +200,7 @@ def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     """
     device = torch.device(device)
     nbytes = math.prod(shape) * dtype.itemsize
-    if device.type != "cpu" or nbytes < _HUGE_PAGE:
+    if not _is_mapping(device, nbytes):
         return torch.zeros(shape, dtype=dtype, device=device)
     # anonymous and private (a shared mapping would be shmem, which gets no huge pages): zero-filled,
     # committed on first touch
@@ -214,9 +214,10 @@ def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     return pool
 
 
-def _is_mapping(pool: torch.Tensor) -> bool:
-    """Whether ``pool`` is one of :func:`allocate_pool`'s mappings (not a plain tensor)."""
-    return pool.device.type == "cpu" and pool.nbytes >= _HUGE_PAGE
+def _is_mapping(device: torch.device, nbytes: int) -> bool:
+    """Whether :func:`allocate_pool` makes a pool of ``nbytes`` on ``device`` a mapping (else a
+    plain tensor)."""
+    return device.type == "cpu" and nbytes >= _HUGE_PAGE
 
 
 def fault_in(pool: torch.Tensor) -> None:

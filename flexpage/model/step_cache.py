@@ -156,7 +156,7 @@ class SavedProgram:
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
         try:
             program = self.compiled.aot_compile((tuple(args), {}))
-        except Exception as error:  # e.g. oneDNN-packed weights: their guards cannot be serialised
+        except Exception as error:  # a guard torch cannot serialise (compiled_step keeps known ones away)
             log.warning("the compiled step cannot be saved (%s: %s); it is traced in each process",
                         type(error).__name__, error)
             self._unsaveable = traced_in_each_process(self.compiled)
