@@ -220,13 +220,25 @@ def _is_mapping(device: torch.device, nbytes: int) -> bool:
     return device.type == "cpu" and nbytes >= _HUGE_PAGE
 
 
+#: bytes :func:`fault_in` populates per system call
+_POPULATE_CHUNK = 32 << 20
+
+
 def fault_in(pool: torch.Tensor) -> None:
-    """Fault every page of an :func:`allocate_pool` mapping in, writable. The system call runs
-    without the GIL (ctypes), so a thread can do it while Python goes on."""
+    """Fault every page of an :func:`allocate_pool` mapping in, writable. The system calls run
+    without the GIL (ctypes), so a thread can do it while Python goes on.
+
+    In chunks of 32 MB: populating holds the process's memory-map lock, which every ``mmap``
+    of the other threads waits for. In one 1 GiB call on the Zen 3 VM, the imports and the
+    model load running beside it (allocation-heavy) took 7.1 s instead of 3.5 s, and the
+    populating itself 3.8 s instead of 1.7-2.3 s."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    if libc.madvise(pool.data_ptr(), pool.nbytes, _MADV_POPULATE_WRITE) != 0:  # an older kernel
-        pool.view(-1).view(torch.uint8)[:: mmap.PAGESIZE].zero_()  # touch every page instead
+    start, nbytes = pool.data_ptr(), pool.nbytes
+    for offset in range(0, nbytes, _POPULATE_CHUNK):
+        if libc.madvise(start + offset, min(_POPULATE_CHUNK, nbytes - offset), _MADV_POPULATE_WRITE) != 0:
+            pool.view(-1).view(torch.uint8)[:: mmap.PAGESIZE].zero_()  # an older kernel: touch every page instead
+            return
 
 
 def write_kv(
