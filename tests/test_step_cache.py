@@ -5,6 +5,8 @@
   the compiled function's results.
 * A call its guards refuse (another dtype) compiles and saves one more program; a torn file
   is skipped with a warning, never a failed call.
+* Saved programs are read one at a time, the one that served a call last first, until one
+  accepts the call (each costs a process ~0.4 s to read).
 * Keys name content: equal constants give equal fingerprints, a changed closure value or
   tensor gives another, and a value it cannot name is a TypeError (never a shared program).
 
@@ -56,6 +58,17 @@ def test_a_call_no_saved_program_accepts_compiles_one_more(compiled_step, tmp_pa
     out, expected = _run(program, 6, torch.float64)  # a dtype guard fails
     assert torch.allclose(out, expected)
     assert (program.compiled_here, program.loaded, len(list(tmp_path.glob("k-*.bin")))) == (1, 1, 2)
+
+
+def test_saved_programs_are_read_only_until_one_accepts_the_call_most_recently_used_first(compiled_step, tmp_path):
+    _run(SavedProgram(compiled_step, "k", tmp_path), 5)
+    _run(SavedProgram(compiled_step, "k", tmp_path), 5, torch.float64)  # saved last: read first
+    program = SavedProgram(compiled_step, "k", tmp_path)
+    _run(program, 5)
+    assert (program.compiled_here, program.loaded) == (0, 2)
+    program = SavedProgram(compiled_step, "k", tmp_path)  # the float32 program served a call last
+    _run(program, 5)
+    assert (program.compiled_here, program.loaded) == (0, 1)
 
 
 def test_a_torn_file_is_skipped_with_a_warning(compiled_step, tmp_path, caplog):

@@ -15,6 +15,7 @@ grad mode -- on every call; a call no saved program accepts compiles one more an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -127,8 +128,9 @@ class SavedProgram:
     """A :data:`Program` from one ``torch.compile(fullgraph=True)`` function whose compiled
     programs persist on disk.
 
-    The first call loads the programs saved under ``key``; a call that none of them accepts
-    (by its guards) compiles another with the varying sizes marked dynamic, and saves it.
+    A call that no program in memory accepts (by its guards) reads the ones saved under
+    ``key`` until one does, and else compiles another with the varying sizes marked dynamic,
+    and saves it.
     Where torch cannot compile ahead of time (a guard it cannot serialise), the function is
     traced in each process instead, as :func:`traced_in_each_process` does.
     """
@@ -140,18 +142,18 @@ class SavedProgram:
         self.programs: list[Any] = []  # torch._dynamo.aot_compile.AOTCompiledFunction
         self.loaded = 0  # programs read from disk (tests read these)
         self.compiled_here = 0  # programs this process compiled
-        self._looked = False
+        self._unread: list[pathlib.Path] | None = None  # saved files not read yet, next first; None: not listed
         self._unsaveable: Program | None = None
 
     def __call__(self, args: Sequence[object], dynamic: Sequence[tuple[Tensor, int]]) -> Tensor:
         if self._unsaveable is not None:
             return self._unsaveable(args, dynamic)
-        if not self._looked:
-            self._looked = True
-            self._load()
         for program in self.programs:
             if program.guard_check(*args):
                 return program(*args)
+        program = self._load_accepting(args)
+        if program is not None:
+            return program(*args)
         for tensor, dim in dynamic:
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
         try:
@@ -167,28 +169,43 @@ class SavedProgram:
         self.programs.append(program)
         return program(*args)
 
-    def _files(self) -> list[pathlib.Path]:
-        return sorted(self.directory.glob(f"{self.key}-*.bin"))
+    def _load_accepting(self, args: Sequence[object]) -> Any | None:
+        """Read saved programs, most recently used first, until one accepts ``args`` (None if
+        none does). One at a time: a key gathers programs for other pool sizes and dtypes (the
+        tests' engines, other settings), and each costs ~0.4 s to read (its guards are rebuilt).
+        Runs inside a call, so the guards are rebuilt under the grad mode the calls run in (a
+        guard compares dispatch keys)."""
+        if self._unread is None:
+            self._unread = sorted(self.directory.glob(f"{self.key}-*.bin"), key=_last_used, reverse=True)
+        while self._unread:
+            path = self._unread.pop(0)
+            program = self._read(path)
+            if program is None:
+                continue
+            self.programs.append(program)
+            self.loaded += 1
+            if program.guard_check(*args):
+                with contextlib.suppress(OSError):  # a read-only cache: the order is only a hint
+                    path.touch()  # the next process tries it first
+                return program
+        return None
 
-    def _load(self) -> None:
-        """Read every program saved under the key. Runs inside the first call, so the guards
-        are rebuilt under the grad mode the calls run in (a guard compares dispatch keys)."""
+    def _read(self, path: pathlib.Path) -> Any | None:
+        """The program saved in ``path``, or None (with a warning) if it cannot be read."""
         from torch._dynamo import convert_frame
         from torch._dynamo.utils import get_metrics_context
         from torch._guards import CompileContext, TracingContext, compile_context, tracing
 
-        for path in self._files():
-            try:
-                # loading a guard on an imported module installs it into a tracing context
-                with (compile_context(CompileContext(convert_frame.get_compile_id({}))), get_metrics_context(),
-                      tracing(TracingContext(None)), path.open("rb") as file):
-                    program = torch.compiler.load_compiled_function(file)
-            except Exception as error:  # torn, or from another torch: compile afresh, never fail a step
-                log.warning("ignoring the saved step program %s: %s", path, error)
-                continue
-            program.disable_guard_check()
-            self.programs.append(program)
-            self.loaded += 1
+        try:
+            # loading a guard on an imported module installs it into a tracing context
+            with (compile_context(CompileContext(convert_frame.get_compile_id({}))), get_metrics_context(),
+                  tracing(TracingContext(None)), path.open("rb") as file):
+                program = torch.compiler.load_compiled_function(file)
+        except Exception as error:  # torn, or from another torch: compile afresh, never fail a step
+            log.warning("ignoring the saved step program %s: %s", path, error)
+            return None
+        program.disable_guard_check()
+        return program
 
     def _save(self, program: Any) -> None:
         """Write ``program`` under the key (atomically: a reader sees a whole file or none)."""
@@ -197,6 +214,14 @@ class SavedProgram:
             program.save_compiled_function(str(self.directory / f"{self.key}-{uuid.uuid4().hex[:12]}.bin"))
         except Exception as error:  # a full disk or an unpicklable constant costs the next start a compile
             log.warning("could not save the compiled step program: %s", error)
+
+
+def _last_used(path: pathlib.Path) -> float:
+    """When ``path``'s program last served a call (its modification time; a vanished file: never)."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return float("-inf")
 
 
 def program_key(*constants: object) -> str:
