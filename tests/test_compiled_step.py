@@ -5,6 +5,8 @@ compiled graph.
   biases, Qwen3's q/k norms), in prefill, decode and mixed steps alike.
 * Each kind of step gives the logits of the layer-by-layer path, to rounding (float32, and
   bfloat16 with oneDNN-packed weights), and writes the same K/V into the pool.
+* Its graphs are keyed by the weights' and pools' shapes (which they do not guard): a model
+  that differs only there gets graphs of its own.
 * It is off where it does not apply: deterministic mode, eager attention, ``compile_step=False``.
 """
 
@@ -36,6 +38,20 @@ def test_compiled_steps_give_hf_greedy_tokens(kind, tiny_model, llm_factory):
     assert step.steps_run - before >= NEW_TOKENS  # a prefill step, then decode steps
     alone = llm.generate([{"prompt_token_ids": PROMPTS[1]}], GREEDY)  # one row: its own graph (a size of 1)
     assert alone[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids
+
+
+def test_models_alike_but_for_their_weight_shapes_get_graphs_of_their_own(tiny_model, llm_factory):
+    """The graph does not guard the weights (a check per step on ~600 tensors): their shapes
+    key it instead, so a model that differs only there never runs another's graph."""
+    narrow = tiny_model("llama", intermediate_size=96)
+    steps = [llm_factory(model, compile=True, num_blocks=128).engine.runner.compiled_step
+             for model in (tiny_model("llama"), narrow)]
+    assert steps[0].shape == steps[1].shape and steps[0].layout != steps[1].layout
+    for model in (tiny_model("llama"), narrow):
+        outputs = llm_factory(model, compile=True, num_blocks=128).generate(
+            [{"prompt_token_ids": p} for p in PROMPTS[:2]], GREEDY)
+        reference = load_reference(model)
+        assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(reference, p, NEW_TOKENS) for p in PROMPTS[:2]]
 
 
 def test_a_prompt_joining_decoding_requests_gives_hf_greedy_tokens(tiny_model, llm_factory):

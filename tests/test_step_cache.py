@@ -17,20 +17,16 @@ the next, same greedy tokens) is in ``test_gguf_linear.py``, beside its model.
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from flexpage.model.step_cache import SavedProgram, fingerprint
+from flexpage.model.step_cache import SavedProgram, fingerprint, saveable_guards
 
 
 def _step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.relu(x @ w) + 1.0
-
-
-@pytest.fixture(scope="module")
-def compiled_step():
-    return torch.compile(_step, dynamic=False, fullgraph=True)
 
 
 def _run(program: SavedProgram, rows: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,47 +35,56 @@ def _run(program: SavedProgram, rows: int, dtype: torch.dtype = torch.float32) -
         return program((x, w), [(x, 0)]), _step(x, w)
 
 
-def test_a_saved_program_is_loaded_by_the_next_instance_and_runs_every_row_count(compiled_step, tmp_path):
-    first = SavedProgram(compiled_step, "k", tmp_path)
+def test_a_saved_program_is_loaded_by_the_next_instance_and_runs_every_row_count(tmp_path):
+    first = SavedProgram(_step, "k", tmp_path)
     out, expected = _run(first, 5)
     assert torch.allclose(out, expected)
     assert (first.compiled_here, first.loaded, len(list(tmp_path.glob("k-*.bin")))) == (1, 0, 1)
 
-    second = SavedProgram(compiled_step, "k", tmp_path)  # as in a new process
+    second = SavedProgram(_step, "k", tmp_path)  # as in a new process
     for rows in (5, 3, 40):
         out, expected = _run(second, rows)
         assert torch.allclose(out, expected)
     assert (second.compiled_here, second.loaded) == (0, 1)
 
 
-def test_a_call_no_saved_program_accepts_compiles_one_more(compiled_step, tmp_path):
-    _run(SavedProgram(compiled_step, "k", tmp_path), 5)
-    program = SavedProgram(compiled_step, "k", tmp_path)
+def test_a_call_no_saved_program_accepts_compiles_one_more(tmp_path):
+    _run(SavedProgram(_step, "k", tmp_path), 5)
+    program = SavedProgram(_step, "k", tmp_path)
     out, expected = _run(program, 6, torch.float64)  # a dtype guard fails
     assert torch.allclose(out, expected)
     assert (program.compiled_here, program.loaded, len(list(tmp_path.glob("k-*.bin")))) == (1, 1, 2)
 
 
-def test_saved_programs_are_read_only_until_one_accepts_the_call_most_recently_used_first(compiled_step, tmp_path):
-    _run(SavedProgram(compiled_step, "k", tmp_path), 5)
-    _run(SavedProgram(compiled_step, "k", tmp_path), 5, torch.float64)  # saved last: read first
-    program = SavedProgram(compiled_step, "k", tmp_path)
+def test_saved_programs_are_read_only_until_one_accepts_the_call_most_recently_used_first(tmp_path):
+    _run(SavedProgram(_step, "k", tmp_path), 5)
+    _run(SavedProgram(_step, "k", tmp_path), 5, torch.float64)  # saved last: read first
+    program = SavedProgram(_step, "k", tmp_path)
     _run(program, 5)
     assert (program.compiled_here, program.loaded) == (0, 2)
-    program = SavedProgram(compiled_step, "k", tmp_path)  # the float32 program served a call last
+    program = SavedProgram(_step, "k", tmp_path)  # the float32 program served a call last
     _run(program, 5)
     assert (program.compiled_here, program.loaded) == (0, 1)
 
 
-def test_a_torn_file_is_skipped_with_a_warning(compiled_step, tmp_path, caplog):
-    _run(SavedProgram(compiled_step, "k", tmp_path), 5)
+def test_a_torn_file_is_skipped_with_a_warning(tmp_path, caplog):
+    _run(SavedProgram(_step, "k", tmp_path), 5)
     (tmp_path / "k-torn.bin").write_bytes(b"\x80\x04 not a whole program")
-    program = SavedProgram(compiled_step, "k", tmp_path)
+    program = SavedProgram(_step, "k", tmp_path)
     with caplog.at_level(logging.WARNING, logger="flexpage.model.step_cache"):
         out, expected = _run(program, 7)
     assert torch.allclose(out, expected)
     assert (program.compiled_here, program.loaded) == (0, 1)
     assert "k-torn.bin" in caplog.text
+
+
+def test_saved_programs_keep_the_guards_they_can_save_less_those_on_unguarded_arguments():
+    def guard(name: str, guard_type: str = "TENSOR_MATCH", is_global: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(name=name, guard_type=guard_type, is_global=is_global)
+
+    guards = [guard("x"), guard("weights"), guard("weights[3][1]"), guard("weights_other"),
+              guard("torch", "ID_MATCH", is_global=True), guard("fn", "CLOSURE_MATCH")]
+    assert saveable_guards(("weights",), guards) == [True, False, False, True, False, False]
 
 
 def _window_mask(window: int):

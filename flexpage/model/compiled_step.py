@@ -122,6 +122,8 @@ class CompiledStep:
         self.layer_pools = tuple(pool.layer(i) for i in range(len(decoder.layers)))
         self.head = (decoder.final_norm, *_weights(decoder.lm_head))
         self.embed = decoder.embed if decoder.embed_blocks is None else decoder.embed_blocks
+        #: what the graph specialises on in the weights and pools, whose tensors it does not guard
+        self.layout = _layout((self.layer_weights, self.layer_pools))
         self.steps_run = 0  # steps this object ran (tests and profiles read it)
 
     @staticmethod
@@ -147,7 +149,7 @@ class CompiledStep:
         plan: list[Tensor] = []
         for group in batch.groups:
             plan.extend(_PLANS[_kind(group)](group, dynamic))  # type: ignore[index]
-        program = _program(self.shape, tuple((_kind(g), g.q_block, g.kv_block) for g in batch.groups))
+        program = _program(self.shape, tuple((_kind(g), g.q_block, g.kv_block) for g in batch.groups), self.layout)
         self.steps_run += 1
         logits = program((self.embed, self.layer_weights, self.layer_pools, self.head, *step_inputs, *plan), dynamic)
         return logits[:sampled]
@@ -253,19 +255,38 @@ _PLAN_SIZES = {"decode": 12, "prefill": 12, "gathered_decode": 12, "row_decode":
 
 
 @functools.cache
-def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Program:
-    """The compiled step for one model shape and one set of attention groups ((kind, query
-    block, key block) each), shared by every runner of that shape: saved on disk for the next
-    process (:mod:`flexpage.model.step_cache`), except under tensor parallelism (the graph
-    holds the rank's process group), with oneDNN-packed weights (their guards cannot be
-    saved) or where a constant cannot be named by its content."""
-    compiled = torch.compile(_forward(shape, groups), dynamic=False, fullgraph=True)
+def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...], layout: tuple) -> Program:
+    """The compiled step for one model shape, one set of attention groups ((kind, query block,
+    key block) each) and one :func:`_layout` of weights and pools, shared by every runner of
+    those: saved on disk for the next process (:mod:`flexpage.model.step_cache`), except
+    under tensor parallelism (the graph holds the rank's process group), with oneDNN-packed
+    weights (their guards cannot be saved) or where a constant cannot be named by its content."""
+    forward = _forward(shape, groups)
     if shape.parallel is None and not shape.onednn_weights:
         try:
-            return SavedProgram(compiled, program_key(shape, groups))
+            return SavedProgram(forward, program_key(shape, groups, layout), unguarded=_UNGUARDED)
         except TypeError:
             pass
-    return traced_in_each_process(compiled)
+    return traced_in_each_process(torch.compile(forward, dynamic=False, fullgraph=True))
+
+
+#: the step's arguments whose tensors a saved program does not guard (checking the ~600 tensors
+#: of 30 layers' weights and pools cost 300-500 us a step, 2-3% of a batch-1 decode, and
+#: rebuilding their guards ~0.2 s per program at start-up): :func:`_layout` puts their shapes,
+#: strides and dtypes in the program's key and in :func:`_program`'s cache key instead
+_UNGUARDED = ("layer_weights", "layer_pools")
+
+
+def _layout(value: object) -> object:
+    """``value``'s tensors by shape, strides and dtype (oneDNN's opaque ones by shape and dtype),
+    in its nesting of tuples; None stays None."""
+    if isinstance(value, tuple):
+        return tuple(_layout(item) for item in value)
+    if value is None:
+        return None
+    if value.is_mkldnn:
+        return ("mkldnn", tuple(value.shape), value.dtype)
+    return (tuple(value.shape), value.stride(), value.dtype, value.device.type)
 
 
 def _forward(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callable[..., Tensor]:

@@ -30,10 +30,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._dynamo.types import GuardFilterEntry
 
 from flexpage.attention.flex import call_compiled
 
-__all__ = ["Program", "SavedProgram", "fingerprint", "program_dir", "program_key", "traced_in_each_process"]
+__all__ = ["Program", "SavedProgram", "fingerprint", "program_dir", "program_key", "saveable_guards",
+           "traced_in_each_process"]
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +127,8 @@ def traced_in_each_process(compiled: Callable[..., Tensor]) -> Program:
 
 
 class SavedProgram:
-    """A :data:`Program` from one ``torch.compile(fullgraph=True)`` function whose compiled
-    programs persist on disk.
+    """A :data:`Program` of ``function``, compiled whole (static shapes but for the sizes each
+    call names), whose compiled programs persist on disk.
 
     A call that no program in memory accepts (by its guards) reads the ones saved under
     ``key`` until one does, and else compiles another with the varying sizes marked dynamic,
@@ -135,8 +137,13 @@ class SavedProgram:
     traced in each process instead, as :func:`traced_in_each_process` does.
     """
 
-    def __init__(self, compiled: Callable[..., Tensor], key: str, directory: pathlib.Path | None = None) -> None:
-        self.compiled = compiled
+    def __init__(self, function: Callable[..., Tensor], key: str, directory: pathlib.Path | None = None, *,
+                 unguarded: Sequence[str] = ()) -> None:
+        """``unguarded``: arguments of ``function`` whose values the programs do not check on
+        each call (:func:`saveable_guards`); ``key`` must name what the programs assume of them."""
+        self.function = function
+        self.compiled = torch.compile(function, dynamic=False, fullgraph=True,
+                                      options={"guard_filter_fn": functools.partial(saveable_guards, tuple(unguarded))})
         self.key = key
         self.directory = directory or program_dir()
         self.programs: list[Any] = []  # torch._dynamo.aot_compile.AOTCompiledFunction
@@ -161,7 +168,7 @@ class SavedProgram:
         except Exception as error:  # a guard torch cannot serialise (compiled_step keeps known ones away)
             log.warning("the compiled step cannot be saved (%s: %s); it is traced in each process",
                         type(error).__name__, error)
-            self._unsaveable = traced_in_each_process(self.compiled)
+            self._unsaveable = traced_in_each_process(torch.compile(self.function, dynamic=False, fullgraph=True))
             return self._unsaveable(args, dynamic)
         program.disable_guard_check()  # checked above; its tensors carry the marks it was traced with
         self.compiled_here += 1
@@ -214,6 +221,17 @@ class SavedProgram:
             program.save_compiled_function(str(self.directory / f"{self.key}-{uuid.uuid4().hex[:12]}.bin"))
         except Exception as error:  # a full disk or an unpicklable constant costs the next start a compile
             log.warning("could not save the compiled step program: %s", error)
+
+
+def saveable_guards(unguarded: tuple[str, ...], guards: Sequence[GuardFilterEntry]) -> list[bool]:
+    """Which of Dynamo's ``guards`` a saved program keeps: those it can save (what
+    ``aot_compile`` keeps by default: none on globals, none of the types torch cannot
+    serialise, such as closures -- :func:`program_key` names those), less every guard on the
+    arguments named in ``unguarded`` and what they hold."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsaveable = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+    return [not (g.is_global or g.guard_type in unsaveable or g.name.split("[", 1)[0] in unguarded) for g in guards]
 
 
 def _last_used(path: pathlib.Path) -> float:
