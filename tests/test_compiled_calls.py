@@ -49,6 +49,24 @@ def test_kernel_options_name_the_tuned_template_the_vector_isa_and_the_bf16_dot_
     assert isa_kernel_options(torch.device("meta")) == {}
 
 
+def test_the_vector_isa_probe_is_inductors_pick_and_is_kept_on_disk_for_the_next_process(monkeypatch, tmp_path):
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    from flexpage.attention import flex
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    flex._cpu_vec_isa.cache_clear()  # as a new process
+    try:
+        assert flex._cpu_vec_isa() == str(pick_vec_isa())
+        [kept] = (tmp_path / "flexpage-vec-isa").iterdir()
+        assert kept.read_text() == str(pick_vec_isa())
+        kept.write_text("read from disk")
+        flex._cpu_vec_isa.cache_clear()
+        assert flex._cpu_vec_isa() == "read from disk"
+    finally:
+        flex._cpu_vec_isa.cache_clear()
+
+
 def test_a_process_limited_to_avx2_compiles_under_another_key():
     """``ATEN_CPU_CAPABILITY=avx2`` makes Inductor emit AVX2 code: its kernels must not share
     a cache entry with this process's (which ran them and corrupted its heap)."""
