@@ -226,6 +226,10 @@ class ModelRunner:
             raise ValueError(f"model_impl: 'flexpage' has no compact forward for model_type="
                              f"{model.config.model_type!r}; use 'auto' or 'transformers'")
         register()
+        if compile:
+            # Inductor's imports (~1 s), before the pool's pages are faulted in on a thread: beside it
+            # they took 2-3x longer (both wait on the process's memory-map lock)
+            torch_patches.install()
         config = model.config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         num_heads = text_config.num_attention_heads
