@@ -8,15 +8,17 @@ minus the row's left padding), the kernel is flexpage's tuned CPU template, and 
 queries pack the query heads that share a kv head into rows (``[B, H_kv, G, D]``: each key
 block is read once per kv head, not once per query head).
 
-One compiled function serves every call; its sizes are dynamic and kept off Dynamo's 0/1
-specialisations (index lists and query-block lists padded to at least two entries; queries
-always in HF's ``[B, L, H, D]`` memory order), so a new prompt or cache length compiles
-nothing: a model needs one graph for prefill and one for decode per (recipe, batch of one or
-more) -- see ``tests/test_hf_backend.py``.
+One compiled program per recipe and call kind (prefill, decode) serves every call, saved on
+disk and called directly, not through Dynamo (:mod:`flexpage.attention.saved_programs`). Its
+sizes are dynamic and kept off Dynamo's 0/1 specialisations (index lists and query-block
+lists padded to at least two entries; queries always in HF's ``[B, L, H, D]`` memory order),
+so a new prompt or cache length compiles nothing: a model needs one graph for prefill and
+one for decode per (recipe, batch of one or more) -- see ``tests/test_hf_backend.py``.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +26,9 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexpage.attention import torch_patches
-from flexpage.attention.flex import call_compiled, kernel_options_for
+from flexpage.attention.flex import kernel_options_for
 from flexpage.attention.recipe import Recipe
+from flexpage.attention.saved_programs import Program, SavedProgram, program_key, traced_in_each_process
 
 KV_BLOCK = 128
 PREFILL_Q_BLOCK = 32
@@ -130,17 +133,33 @@ def _contiguous_attention(
                           enable_gqa=q.shape[1] != k.shape[1], kernel_options=kernel_options)
 
 
-# static by default (floats such as a soft-cap stay constants), with the per-call sizes marked dynamic
-_compiled_contiguous_attention = torch.compile(_contiguous_attention, dynamic=False, fullgraph=True)
+@functools.cache
+def _program(recipe: Recipe, q_block: int, heads_per_kv: int, scale: float | None,
+             kernel_options: tuple[tuple[str, object], ...]) -> Program:
+    """The compiled attention for one set of constants (static shapes but for the sizes each
+    call names: floats such as a soft-cap stay constants), saved on disk for the next process
+    (:mod:`flexpage.attention.saved_programs`) unless the recipe cannot be named by its content."""
+
+    def attention(q: Tensor, k: Tensor, v: Tensor, kv_num_blocks: Tensor, kv_indices: Tensor,
+                  full_kv_num_blocks: Tensor, full_kv_indices: Tensor, valid: Tensor, q_start: Tensor,
+                  kv_start: Tensor) -> Tensor:
+        return _contiguous_attention(q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, valid,
+                                     q_start, kv_start, recipe, q_block, heads_per_kv, scale, dict(kernel_options))
+
+    try:
+        return SavedProgram(attention, program_key("contiguous", recipe, q_block, heads_per_kv, scale, kernel_options))
+    except TypeError:
+        return traced_in_each_process(torch.compile(attention, dynamic=False, fullgraph=True))
 
 
-def _mark_dynamic(q: Tensor, k: Tensor, v: Tensor, mask: ContiguousMask, valid: Tensor, packed: bool) -> None:
+def _dynamic_sizes(q: Tensor, k: Tensor, v: Tensor, mask: ContiguousMask, valid: Tensor,
+                   packed: bool) -> list[tuple[Tensor, int]]:
+    """The (tensor, dim) sizes that vary between calls (marked dynamic where a call compiles)."""
     queries = (0,) if packed else (0, 2)
-    for t, dims in ((q, queries), (k, (0, 2)), (v, (0, 2)), (valid, (0, 1)), (mask.q_start, (0,)),
-                    (mask.kv_start, (0,)), (mask.kv_num_blocks, (0, 2)), (mask.kv_indices, (0, 2, 3)),
-                    (mask.full_kv_num_blocks, (0, 2)), (mask.full_kv_indices, (0, 2, 3))):
-        for dim in dims:
-            torch._dynamo.maybe_mark_dynamic(t, dim)
+    return [(t, dim) for t, dims in (
+        (q, queries), (k, (0, 2)), (v, (0, 2)), (valid, (0, 1)), (mask.q_start, (0,)), (mask.kv_start, (0,)),
+        (mask.kv_num_blocks, (0, 2)), (mask.kv_indices, (0, 2, 3)), (mask.full_kv_num_blocks, (0, 2)),
+        (mask.full_kv_indices, (0, 2, 3))) for dim in dims]
 
 
 def contiguous_attention(
@@ -157,16 +176,17 @@ def contiguous_attention(
     heads_per_kv = heads // k.shape[1] if q_len == 1 else 1
     if heads_per_kv > 1:
         q = q.reshape(batch, k.shape[1], heads_per_kv, dim)
-    args = (q, k, v, mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
-            layout.valid, mask.q_start, mask.kv_start, recipe, mask.q_block, heads_per_kv, scale)
+    tensors = (q, k, v, mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
+               layout.valid, mask.q_start, mask.kv_start)
+    constants = (recipe, mask.q_block, heads_per_kv, scale)
     if torch.compiler.is_compiling():  # inside the user's compiled model: one graph with it
-        out = _contiguous_attention(*args, dict(_traced_kernel_options(q.device)))
+        out = _contiguous_attention(*tensors, *constants, dict(_traced_kernel_options(q.device)))
     elif compile:
         torch_patches.install()
-        _mark_dynamic(q, k, v, mask, layout.valid, packed=heads_per_kv > 1)
-        out = call_compiled(_compiled_contiguous_attention, *args, _kernel_options(q.device))
+        program = _program(*constants, tuple(_kernel_options(q.device).items()))
+        out = program(tensors, _dynamic_sizes(q, k, v, mask, layout.valid, packed=heads_per_kv > 1))
     else:
-        out = _contiguous_attention(*args, _kernel_options(q.device))
+        out = _contiguous_attention(*tensors, *constants, _kernel_options(q.device))
     return out.reshape(batch, 1, heads, dim) if heads_per_kv > 1 else out.transpose(1, 2)
 
 

@@ -46,10 +46,10 @@ from flexpage.attention.flex import (
 from flexpage.attention.kv_pool import KVPool
 from flexpage.attention.paging import AttentionGroup, PagedBatch
 from flexpage.attention.recipe import Recipe
+from flexpage.attention.saved_programs import Program, SavedProgram, program_key, traced_in_each_process
 from flexpage.model.compact import CompactDecoder, rms_norm
 from flexpage.model.gguf_linear import block_linear, embedding
 from flexpage.model.packed_linear import PackedLinear, padded_rows, tiled_linear
-from flexpage.model.step_cache import Program, SavedProgram, program_key, traced_in_each_process
 from flexpage.model.tensor_parallel import TensorParallel
 
 __all__ = ["CompiledStep"]
@@ -258,7 +258,7 @@ _PLAN_SIZES = {"decode": 12, "prefill": 12, "gathered_decode": 12, "row_decode":
 def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...], layout: tuple) -> Program:
     """The compiled step for one model shape, one set of attention groups ((kind, query block,
     key block) each) and one :func:`_layout` of weights and pools, shared by every runner of
-    those: saved on disk for the next process (:mod:`flexpage.model.step_cache`), except
+    those: saved on disk for the next process (:mod:`flexpage.attention.saved_programs`), except
     under tensor parallelism (the graph holds the rank's process group), with oneDNN-packed
     weights (their guards cannot be saved) or where a constant cannot be named by its content."""
     forward = _forward(shape, groups)

@@ -1,10 +1,12 @@
-"""Compiled programs kept on disk (:mod:`flexpage.model.step_cache`).
+"""Compiled programs kept on disk (:mod:`flexpage.attention.saved_programs`).
 
 * A program compiled once is saved; a new :class:`SavedProgram` of the same key (what the next
   process builds) loads it and runs it without compiling, for any size marked dynamic, with
   the compiled function's results.
 * A call its guards refuse (another dtype) compiles and saves one more program; a torn file
   is skipped with a warning, never a failed call.
+* A call whose tensors match the last accepted call's (sizes, strides, dtype, ...) under the
+  same global state runs that program without checking its guards again.
 * Saved programs are read one at a time, the one that served a call last first, until one
   accepts the call (each costs a process ~0.4 s to read).
 * Keys name content: equal constants give equal fingerprints, a changed closure value or
@@ -22,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flexpage.model.step_cache import SavedProgram, fingerprint, saveable_guards
+from flexpage.attention.saved_programs import SavedProgram, fingerprint, saveable_guards
 
 
 def _step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -71,11 +73,35 @@ def test_a_torn_file_is_skipped_with_a_warning(tmp_path, caplog):
     _run(SavedProgram(_step, "k", tmp_path), 5)
     (tmp_path / "k-torn.bin").write_bytes(b"\x80\x04 not a whole program")
     program = SavedProgram(_step, "k", tmp_path)
-    with caplog.at_level(logging.WARNING, logger="flexpage.model.step_cache"):
+    with caplog.at_level(logging.WARNING, logger="flexpage.attention.saved_programs"):
         out, expected = _run(program, 7)
     assert torch.allclose(out, expected)
     assert (program.compiled_here, program.loaded) == (0, 1)
     assert "k-torn.bin" in caplog.text
+
+
+def test_a_call_like_the_last_accepted_one_skips_the_guard_check(tmp_path):
+    """Same tensor metadata and global state as the last call a program accepted: no guard
+    check. Another size, another grad mode or shared memory between arguments: a check."""
+    program = SavedProgram(_step, "k", tmp_path)
+    _run(program, 5)
+    checks = []
+    [saved] = program.programs
+    real_check = saved.guard_check
+    saved.guard_check = lambda *args: checks.append(args) or real_check(*args)
+    _run(program, 5)  # new tensors, same metadata
+    assert checks == []
+    _run(program, 6)
+    assert len(checks) == 1
+    x, w = torch.randn(6, 8), torch.randn(8, 4)
+    with torch.inference_mode():
+        program((x, w), [(x, 0)])  # like the last call
+    assert len(checks) == 1
+    out = program((x, w), [(x, 0)])  # outside inference mode: the global state differs
+    assert len(checks) == 2 and out.shape == (6, 4)
+    square = torch.randn(8, 8)
+    program((square[:6], square), [])  # the two arguments share memory: checked again
+    assert len(checks) == 3
 
 
 def test_saved_programs_keep_the_guards_they_can_save_less_those_on_unguarded_arguments():
