@@ -115,7 +115,7 @@ def _fingerprint_into(value: object, parts: list[str]) -> None:
         raise TypeError(f"cannot fingerprint a {type(value).__qualname__}")
 
 
-#: a compiled step: called with its arguments and the (tensor, dim) sizes that vary between steps
+#: a compiled program: called with its arguments and the (tensor, dim) sizes that vary between calls
 Program = Callable[[Sequence[object], Sequence[tuple[Tensor, int]]], Tensor]
 
 
@@ -137,9 +137,8 @@ class SavedProgram:
 
     A call that no program in memory accepts (by its guards) reads the ones saved under
     ``key`` until one does, and else compiles another with the varying sizes marked dynamic,
-    and saves it.
-    Where torch cannot compile ahead of time (a guard it cannot serialise), the function is
-    traced in each process instead, as :func:`traced_in_each_process` does.
+    and saves it. Where torch cannot compile ahead of time (a guard it cannot serialise), the
+    function is traced in each process instead, as :func:`traced_in_each_process` does.
     """
 
     def __init__(self, function: Callable[..., Tensor], key: str, directory: pathlib.Path | None = None, *,
@@ -177,7 +176,7 @@ class SavedProgram:
         try:
             program = self.compiled.aot_compile((tuple(args), {}))
         except Exception as error:  # a guard torch cannot serialise (compiled_step keeps known ones away)
-            log.warning("the compiled step cannot be saved (%s: %s); it is traced in each process",
+            log.warning("the compiled program cannot be saved (%s: %s); it is traced in each process",
                         type(error).__name__, error)
             self._unsaveable = traced_in_each_process(torch.compile(self.function, dynamic=False, fullgraph=True))
             return self._unsaveable(args, dynamic)
