@@ -28,7 +28,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from flexpage.attention import torch_patches
 from flexpage.attention.flex import kernel_options_for
 from flexpage.attention.recipe import Recipe
-from flexpage.attention.saved_programs import Program, SavedProgram, program_key, traced_in_each_process
+from flexpage.attention.saved_programs import Program, compiled_program
 
 KV_BLOCK = 128
 PREFILL_Q_BLOCK = 32
@@ -146,10 +146,7 @@ def _program(recipe: Recipe, q_block: int, heads_per_kv: int, scale: float | Non
         return _contiguous_attention(q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, valid,
                                      q_start, kv_start, recipe, q_block, heads_per_kv, scale, dict(kernel_options))
 
-    try:
-        return SavedProgram(attention, program_key("contiguous", recipe, q_block, heads_per_kv, scale, kernel_options))
-    except TypeError:
-        return traced_in_each_process(torch.compile(attention, dynamic=False, fullgraph=True))
+    return compiled_program(attention, "contiguous", recipe, q_block, heads_per_kv, scale, kernel_options)
 
 
 def _dynamic_sizes(q: Tensor, k: Tensor, v: Tensor, mask: ContiguousMask, valid: Tensor,

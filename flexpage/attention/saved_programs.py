@@ -39,8 +39,8 @@ from torch._dynamo.types import GuardFilterEntry
 
 from flexpage.attention.flex import call_compiled
 
-__all__ = ["Program", "SavedProgram", "fingerprint", "program_dir", "program_key", "saveable_guards",
-           "traced_in_each_process"]
+__all__ = ["Program", "SavedProgram", "compiled_program", "fingerprint", "program_dir", "program_key",
+           "saveable_guards", "traced_in_each_process"]
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +119,24 @@ def _fingerprint_into(value: object, parts: list[str]) -> None:
 Program = Callable[[Sequence[object], Sequence[tuple[Tensor, int]]], Tensor]
 
 
-def traced_in_each_process(compiled: Callable[..., Tensor]) -> Program:
-    """``compiled`` as a :data:`Program` that keeps nothing on disk: Dynamo traces it anew in
-    every process (Inductor's caches still spare it the code generation)."""
+def compiled_program(function: Callable[..., Tensor], *constants: object, saved: bool = True,
+                     unguarded: Sequence[str] = ()) -> Program:
+    """``function`` compiled whole: a :class:`SavedProgram` keyed by ``constants`` (what
+    ``function`` closes over), or, where ``saved`` is false or a constant cannot be named by
+    its content, :func:`traced_in_each_process`."""
+    if saved:
+        try:
+            return SavedProgram(function, program_key(*constants), unguarded=unguarded)
+        except TypeError:
+            pass
+    return traced_in_each_process(function)
+
+
+def traced_in_each_process(function: Callable[..., Tensor]) -> Program:
+    """``function`` compiled whole as a :data:`Program` that keeps nothing on disk: Dynamo
+    traces it anew in every process, with its full guards (Inductor's caches still spare it
+    the code generation)."""
+    compiled = torch.compile(function, dynamic=False, fullgraph=True)
 
     def run(args: Sequence[object], dynamic: Sequence[tuple[Tensor, int]]) -> Tensor:
         for tensor, dim in dynamic:
@@ -178,7 +193,7 @@ class SavedProgram:
         except Exception as error:  # a guard torch cannot serialise (compiled_step keeps known ones away)
             log.warning("the compiled program cannot be saved (%s: %s); it is traced in each process",
                         type(error).__name__, error)
-            self._unsaveable = traced_in_each_process(torch.compile(self.function, dynamic=False, fullgraph=True))
+            self._unsaveable = traced_in_each_process(self.function)
             return self._unsaveable(args, dynamic)
         program.disable_guard_check()  # checked above; its tensors carry the marks it was traced with
         self.compiled_here += 1

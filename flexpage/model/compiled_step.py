@@ -46,7 +46,7 @@ from flexpage.attention.flex import (
 from flexpage.attention.kv_pool import KVPool
 from flexpage.attention.paging import AttentionGroup, PagedBatch
 from flexpage.attention.recipe import Recipe
-from flexpage.attention.saved_programs import Program, SavedProgram, program_key, traced_in_each_process
+from flexpage.attention.saved_programs import Program, compiled_program
 from flexpage.model.compact import CompactDecoder, rms_norm
 from flexpage.model.gguf_linear import block_linear, embedding
 from flexpage.model.packed_linear import PackedLinear, padded_rows, tiled_linear
@@ -261,13 +261,8 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...], layout: tu
     those: saved on disk for the next process (:mod:`flexpage.attention.saved_programs`), except
     under tensor parallelism (the graph holds the rank's process group), with oneDNN-packed
     weights (their guards cannot be saved) or where a constant cannot be named by its content."""
-    forward = _forward(shape, groups)
-    if shape.parallel is None and not shape.onednn_weights:
-        try:
-            return SavedProgram(forward, program_key(shape, groups, layout), unguarded=_UNGUARDED)
-        except TypeError:
-            pass
-    return traced_in_each_process(torch.compile(forward, dynamic=False, fullgraph=True))
+    return compiled_program(_forward(shape, groups), shape, groups, layout, unguarded=_UNGUARDED,
+                            saved=shape.parallel is None and not shape.onednn_weights)
 
 
 #: the step's arguments whose tensors a saved program does not guard (checking the ~600 tensors
