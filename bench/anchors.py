@@ -1,6 +1,6 @@
 """flexpage against the CPU engine a user would pick instead: OpenVINO GenAI, same workload, one run.
 
-    python -m bench.anchors [--rounds 4] [--openvino-python PATH] [--openvino-model DIR] [--layered]
+    python -m bench.anchors [--rounds 4] [--openvino-python PATH] [--openvino-model DIR] [--layered] [--float32]
 
 The workload (issue 12): 48 prompts of random token ids, lengths log-normal(5.0, 0.8)
 clipped to 16-1024, 64 greedy output tokens each (``ignore_eos``), all submitted at once.
@@ -19,9 +19,11 @@ OpenVINO GenAI runs in its own virtual environment (its exporter pulls packages 
 would replace the CPU torch; install notes in docs/anchors.md). ``--openvino-python``
 names that environment's python (default: ``$FLEXPAGE_OPENVINO_PYTHON``); without it only
 flexpage runs. ``--layered`` adds flexpage with ``compile_step=False`` (decode steps layer by
-layer instead of one compiled graph) to the same rounds. Its model is SmolLM2-135M-Instruct exported by optimum-intel with fp16
-weights (bf16 compute on AMX CPUs), made once from flexpage's cached HF folder when
-missing. Workers print one JSON line; this file imports nothing but the standard library
+layer instead of one compiled graph) to the same rounds; ``--float32`` adds flexpage with
+``dtype="float32"`` (where the default is bfloat16: float32 computes the GGUF's projections
+from its blocks, a fifth of float32's bytes and ~40% of bf16's). OpenVINO's model is
+SmolLM2-135M-Instruct exported by optimum-intel with fp16 weights (bf16 compute on AMX
+CPUs), made once from flexpage's cached HF folder when missing. Workers print one JSON line; this file imports nothing but the standard library
 and numpy at module level, so the OpenVINO environment can run it as a plain file.
 """
 
@@ -45,7 +47,7 @@ DEFAULT_OUT = Path("bench/results/anchors.json")
 DEFAULT_PLOT = Path("docs/img/anchors.png")
 DEFAULT_OV_MODEL = Path.home() / ".cache" / "flexpage" / "openvino" / "SmolLM2-135M-Instruct-fp16"
 #: what a worker process can run (bench/deterministic.py runs the last one)
-WORKERS = ("flexpage", "openvino", "flexpage-deterministic", "flexpage-layered")
+WORKERS = ("flexpage", "openvino", "flexpage-deterministic", "flexpage-layered", "flexpage-float32")
 METRICS = ("tok_s", "ttft16_ms", "prefill128_ms", "decode_ms", "ready_s", "peak_rss_mb")
 
 
@@ -101,7 +103,8 @@ def timed(fn, *args) -> float:  # noqa: ANN001
 def run_worker(engine_name: str, seed: int, ov_model: str) -> dict:
     engine = (OpenVINOEngine(ov_model) if engine_name == "openvino"
               else FlexpageEngine(deterministic=engine_name == "flexpage-deterministic",
-                                  compile_step=engine_name != "flexpage-layered"))
+                                  compile_step=engine_name != "flexpage-layered",
+                                  **({"dtype": "float32"} if engine_name == "flexpage-float32" else {})))
     engine.generate(workload(WARMUP_SEED), OUTPUT_TOKENS)
     ready_s = time.perf_counter() - _STARTED
     start = time.perf_counter()
@@ -148,6 +151,8 @@ def summarise(rounds: list[dict]) -> dict:
         result["flexpage_over_openvino"] = {m: table["flexpage"][m] / table["openvino"][m] for m in METRICS}
     if "flexpage-layered" in table:
         result["compiled_step_over_layered"] = {m: table["flexpage"][m] / table["flexpage-layered"][m] for m in METRICS}
+    if "flexpage-float32" in table:
+        result["default_over_float32"] = {m: table["flexpage"][m] / table["flexpage-float32"][m] for m in METRICS}
     return result
 
 
@@ -185,6 +190,7 @@ def main() -> None:
     p.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="ratio plot (written when OpenVINO ran)")
     p.add_argument("--plot-only", action="store_true", help="redraw --plot from --out without running")
     p.add_argument("--layered", action="store_true", help="also run flexpage with compile_step=False")
+    p.add_argument("--float32", action="store_true", help="also run flexpage with dtype='float32'")
     p.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -197,6 +203,8 @@ def main() -> None:
     engines = {"flexpage": sys.executable}
     if args.layered:
         engines["flexpage-layered"] = sys.executable
+    if args.float32:
+        engines["flexpage-float32"] = sys.executable
     if args.openvino_python:
         if not args.openvino_model.exists():
             export_openvino_model(args.openvino_python, args.openvino_model)
@@ -211,7 +219,7 @@ def main() -> None:
               "rounds": args.rounds, **summarise(rounds)}
     for engine, row in result["median"].items():
         print(f"{engine:>16}: " + ", ".join(f"{m} {v:.1f}" for m, v in row.items()))
-    for key in ("flexpage_over_openvino", "compiled_step_over_layered"):
+    for key in ("flexpage_over_openvino", "compiled_step_over_layered", "default_over_float32"):
         if key in result:
             print(f"{key}: " + ", ".join(f"{m} {v:.2f}" for m, v in result[key].items()))
     args.out.parent.mkdir(parents=True, exist_ok=True)

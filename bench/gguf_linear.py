@@ -1,4 +1,4 @@
-"""Projections from GGUF blocks vs oneDNN's packed float32, per row count: is
+"""Projections from GGUF blocks vs oneDNN's packed float32 (and bf16), per row count: is
 ``flexpage::block_linear`` as fast at every row count (so a projection need not keep both)?
 
     python -m bench.gguf_linear [--rows 1 2 3 4 6 8 16] [--reps 15] [--rounds 3]
@@ -9,7 +9,9 @@ the LM head): the blocks as the kernel reads them against the same weights expan
 float32 and packed for oneDNN. Each round times
 both back to back (median of ``--reps`` forwards each); the table shows the median over
 rounds, their ratio, and each path's largest error against a float64 product of the same
-float32 weights. Prints a table; nothing is written.
+float32 weights. Where the engine's default dtype is bfloat16 (``default_dtype``), the same
+weights packed for oneDNN in bfloat16 are timed too (what such a CPU runs by default).
+Prints a table; nothing is written.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from bench.packed_linear import median_us
 from flexpage.model import gguf_linear
+from flexpage.model.dtypes import default_dtype
 from flexpage.model.gguf_file import gguf_tensors
 from flexpage.model.loader import _default_gguf_path
 
@@ -63,9 +66,13 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(projections)} projections, "
           f"{sum(b.numel() for b, _, _ in projections) / 1e6:.0f} MB of blocks, "
           f"{sum(w.numel() * 4 for _, _, w in projections) / 1e6:.0f} MB of float32")
-    print(f"{'rows':>4} {'blocks ms':>10} {'packed ms':>10} {'blocks/packed':>14} {'blocks err':>11} {'packed err':>11}")
+    bf16 = ([torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 64) for _, _, w in projections]
+            if default_dtype() == torch.bfloat16 else None)
+    print(f"{'rows':>4} {'blocks ms':>10} {'packed ms':>10} {'blocks/packed':>14} {'blocks err':>11} {'packed err':>11}"
+          + (f" {'bf16 ms':>8} {'blocks/bf16':>12}" if bf16 else ""))
     for rows in args.rows:
         inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for _, _, w in projections}}
+        bf16_inputs = {k: x.bfloat16() for k, x in inputs.items()}
 
         def from_blocks() -> None:
             for blocks, _, weight in projections:
@@ -75,8 +82,13 @@ def main() -> None:
             for _, packed, weight in projections:
                 torch.ops.mkldnn._linear_pointwise(inputs[weight.shape[1]], packed, None, "none", [], "")
 
-        rounds = [(median_us(from_blocks, args.reps), median_us(from_packed, args.reps)) for _ in range(args.rounds)]
-        blocks_us, packed_us = (statistics.median(t) for t in zip(*rounds))
+        def from_bf16() -> None:
+            for packed, (_, _, weight) in zip(bf16, projections):
+                torch.ops.mkldnn._linear_pointwise(bf16_inputs[weight.shape[1]], packed, None, "none", [], "")
+
+        timed = [from_blocks, from_packed] + ([from_bf16] if bf16 else [])
+        rounds = [[median_us(fn, args.reps) for fn in timed] for _ in range(args.rounds)]
+        blocks_us, packed_us, *bf16_us = (statistics.median(t) for t in zip(*rounds))
         errors = [0.0, 0.0]
         for blocks, packed, weight in projections[:4]:
             x = inputs[weight.shape[1]]
@@ -85,8 +97,8 @@ def main() -> None:
                        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
             errors = [max(e, (r.double() - reference).abs().max().item()) for e, r in zip(errors, results)]
         print(f"{rows:>4} {blocks_us / 1e3:>10.1f} {packed_us / 1e3:>10.1f} {blocks_us / packed_us:>14.2f} "
-              f"{errors[0]:>11.1e} {errors[1]:>11.1e}", flush=True)
-
+              f"{errors[0]:>11.1e} {errors[1]:>11.1e}"
+              + "".join(f" {t / 1e3:>8.1f} {blocks_us / t:>12.2f}" for t in bf16_us), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,8 @@ compiled graph.
 * Each kind of step gives the logits of the layer-by-layer path, to rounding (float32, and
   bfloat16 with oneDNN-packed weights), and writes the same K/V into the pool.
 * Its graphs are keyed by the weights' and pools' shapes (which they do not guard): a model
-  that differs only there gets graphs of its own.
+  that differs only there gets graphs of its own. Being unguarded, oneDNN-packed weights
+  (bf16) do not keep the graphs from being saved: the next engine loads them.
 * It is off where it does not apply: deterministic mode, eager attention, ``compile_step=False``.
 """
 
@@ -91,6 +92,32 @@ def _both_ways(runner: ModelRunner, inputs: StepInputs) -> tuple[torch.Tensor, .
     finally:
         runner.compiled_step = step
     return compiled, compiled_pool, layered, runner.pool.storage.clone()
+
+
+def test_the_next_engine_loads_the_steps_of_a_bf16_model_with_onednn_packed_weights(tiny_model, monkeypatch, tmp_path):
+    """The default on CPUs with bf16: the weights packed for oneDNN are opaque tensors whose
+    guards torch cannot save, and which the saved programs do not guard (their layout is in the
+    key). The second engine compiles nothing, reads the first one's programs and gives the same
+    greedy tokens."""
+    from flexpage import LLM
+    from flexpage.attention import saved_programs
+    from flexpage.model import compiled_step
+
+    monkeypatch.setattr(saved_programs, "program_dir", lambda: tmp_path)
+    tokens, saved = [], []
+    try:
+        for _ in range(2):
+            compiled_step._program.cache_clear()  # forget the programs, as a new process has
+            llm = LLM(str(tiny_model("llama")), dtype="bfloat16", compile=True, num_blocks=128)
+            qkv = llm.engine.runner.compact.layers[0].qkv
+            assert qkv.weight.is_mkldnn == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+            tokens.append([o.outputs[0].token_ids for o in outputs])
+            saved.append(sorted(tmp_path.glob("*.bin")))
+    finally:
+        compiled_step._program.cache_clear()  # later tests must not save into tmp_path
+    assert saved[0] and saved[1] == saved[0]  # the first engine saved programs, the second added none
+    assert tokens[0] == tokens[1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -65,7 +65,6 @@ class _Shape:
     eps: float
     scale: float
     packed: bool  # projections run oneDNN's packed kernel (else F.linear)
-    onednn_weights: bool  # some weights are in oneDNN's packed layout
     #: deterministic mode: projections run in calls of exactly this many rows, as eager ones do
     #: (:func:`~flexpage.model.packed_linear.tiled_linear`); None: one call per projection
     row_tile: int | None
@@ -107,7 +106,6 @@ class CompiledStep:
         self.shape = _Shape(
             heads=decoder.num_heads, kv_heads=decoder.num_kv_heads, head_dim=decoder.head_dim, eps=decoder.eps,
             scale=decoder.scale, packed=packed.pop(), row_tile=row_tiles.pop(),
-            onednn_weights=any(linear.weight is not None and linear.weight.is_mkldnn for linear in linears),
             qk_norm=decoder.layers[0].q_norm is not None,
             page_size=pool.block_size, pages_per_block=pages_per_block, recipe=recipe,
             kernel_options=tuple(sorted(options.items())),
@@ -123,7 +121,7 @@ class CompiledStep:
         self.head = (decoder.final_norm, *_weights(decoder.lm_head))
         self.embed = decoder.embed if decoder.embed_blocks is None else decoder.embed_blocks
         #: what the graph specialises on in the weights and pools, whose tensors it does not guard
-        self.layout = _layout((self.layer_weights, self.layer_pools))
+        self.layout = _layout((self.layer_weights, self.layer_pools, self.head))
         self.steps_run = 0  # steps this object ran (tests and profiles read it)
 
     @staticmethod
@@ -259,17 +257,18 @@ def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...], layout: tu
     """The compiled step for one model shape, one set of attention groups ((kind, query block,
     key block) each) and one :func:`_layout` of weights and pools, shared by every runner of
     those: saved on disk for the next process (:mod:`flexpage.attention.saved_programs`), except
-    under tensor parallelism (the graph holds the rank's process group), with oneDNN-packed
-    weights (their guards cannot be saved) or where a constant cannot be named by its content."""
+    under tensor parallelism (the graph holds the rank's process group) or where a constant
+    cannot be named by its content."""
     return compiled_program(_forward(shape, groups), shape, groups, layout, unguarded=_UNGUARDED,
-                            saved=shape.parallel is None and not shape.onednn_weights)
+                            saved=shape.parallel is None)
 
 
 #: the step's arguments whose tensors a saved program does not guard (checking the ~600 tensors
 #: of 30 layers' weights and pools cost 300-500 us a step, 2-3% of a batch-1 decode, and
-#: rebuilding their guards ~0.2 s per program at start-up): :func:`_layout` puts their shapes,
-#: strides and dtypes in the program's key and in :func:`_program`'s cache key instead
-_UNGUARDED = ("layer_weights", "layer_pools")
+#: rebuilding their guards ~0.2 s per program at start-up; torch cannot save the guards of
+#: oneDNN-packed weights at all): :func:`_layout` puts their shapes, strides and dtypes in the
+#: program's key and in :func:`_program`'s cache key instead
+_UNGUARDED = ("layer_weights", "layer_pools", "head")
 
 
 def _layout(value: object) -> object:
