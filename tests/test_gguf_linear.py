@@ -3,10 +3,13 @@
 * The blocks expand to the weights GGUF's own dequantisation gives, and the kernel computes
   ``x @ W.T + bias`` with them to float32 rounding (against float64), for any row count.
 * A projection given blocks keeps the blocks only (no float32 weight) and computes from them;
-  an embedding kept as blocks gives exactly its table's rows.
+  an embedding kept as blocks gives exactly its table's rows. A bf16 projection packed for
+  oneDNN keeps both, and computes up to ``MAX_BLOCK_ROWS`` rows from the blocks (float32,
+  rounded), more from the packed weight: eagerly and in a compiled graph, the same bits.
 * The tensor table is read as ``gguf.GGUFReader`` reads it (without its metadata values).
 * :func:`gguf_blocks` returns a model's blocks only where they expand to exactly its float32
-  weights, undoing llama.cpp's q/k row permutation; a tied LM head gets the embedding's.
+  weights (or round to exactly its bf16 ones), undoing llama.cpp's q/k row permutation; a
+  tied LM head gets the embedding's.
 * Through the engine, a GGUF model reads its blocks (projections and LM head; eager and
   compiled steps) and gives HF ``generate``'s greedy tokens, also from compiled steps a
   previous engine saved; ``quantization="none"`` keeps float32 only.
@@ -89,6 +92,29 @@ def test_a_projection_with_blocks_keeps_only_the_blocks():
     assert PackedLinear(weight, bias, prepack=False, blocks=linear.blocks).blocks is None
 
 
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 kernels on this CPU")
+def test_a_bf16_projection_reads_its_blocks_for_a_few_rows_and_its_packed_weight_for_more():
+    """The few rows of a small decode batch are memory-bound: the blocks are ~40% of bf16's
+    bytes. Beyond ``MAX_BLOCK_ROWS`` the packed bf16 weight runs (compute-bound)."""
+    from flexpage.model.packed_linear import PackedLinear
+
+    raw = _blocks("Q4_1", 48, 64)
+    weight, bias = gguf_linear.expand("Q4_1", raw).bfloat16(), torch.randn(48).bfloat16()
+    linear = PackedLinear(weight, bias, blocks=gguf_linear.repack("Q4_1", raw))
+    assert linear.blocks is not None and linear.packed and linear.weight.is_mkldnn and linear.owns_weight
+    compiled = torch.compile(gguf_linear.block_or_packed_linear, dynamic=True, fullgraph=True)
+    for rows in (1, 2, gguf_linear.MAX_BLOCK_ROWS, gguf_linear.MAX_BLOCK_ROWS + 1, 16):
+        x = torch.randn(rows, 64).bfloat16()
+        if rows <= gguf_linear.MAX_BLOCK_ROWS:
+            expected = gguf_linear.block_linear(x.float(), linear.blocks, bias.float()).bfloat16()
+        else:
+            expected = torch.ops.mkldnn._linear_pointwise(x, linear.weight, bias, "none", [], "")
+        assert torch.equal(linear(x), expected), rows
+        assert torch.equal(compiled(x, linear.blocks, linear.weight, bias), expected), rows
+    # without oneDNN's bf16 packing (prepack=False) a bf16 layer keeps its weight only
+    assert PackedLinear(weight, bias, prepack=False, blocks=linear.blocks).blocks is None
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_embedding_rows_from_blocks_are_the_tables_rows_exactly(kind):
     raw = _blocks(kind, 50, 96)
@@ -153,7 +179,11 @@ def test_a_models_blocks_are_found_only_where_they_give_its_exact_weights(tiny_g
     with torch.no_grad():
         params["model.layers.1.mlp.up_proj.weight"][0, 0] += 1e-3
     assert set(gguf_linear.gguf_blocks(tiny_gguf, model)) == set(blocks) - {"model.layers.1.mlp.up_proj.weight"}
-    assert gguf_linear.gguf_blocks(tiny_gguf, load_hf_model(tiny_gguf_folder, torch.bfloat16)) == {}
+    rounded = load_hf_model(tiny_gguf_folder, torch.bfloat16)  # the same weights, rounded to bf16
+    assert set(gguf_linear.gguf_blocks(tiny_gguf, rounded)) == set(blocks)
+    with torch.no_grad():
+        rounded.model.layers[0].self_attn.o_proj.weight[0, 0] += 0.5
+    assert set(gguf_linear.gguf_blocks(tiny_gguf, rounded)) == set(blocks) - {"model.layers.0.self_attn.o_proj.weight"}
 
 
 @pytest.mark.usefixtures("single_torch_thread", "kv_blocks_returned")
@@ -193,6 +223,39 @@ def test_the_next_engine_loads_the_compiled_steps_the_first_saved(tiny_gguf, tin
     assert saved[0] and saved[1] == saved[0]  # the first engine saved programs, the second added none
     reference = load_reference(tiny_gguf_folder)
     assert tokens[0] == tokens[1] == [hf_greedy(reference, p, NEW_TOKENS) for p in PROMPTS]
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 kernels on this CPU")
+@pytest.mark.usefixtures("single_torch_thread")
+def test_a_bf16_models_compiled_steps_give_the_layer_by_layer_logits_from_blocks_and_packed_weights(
+        tiny_gguf, tiny_gguf_folder):
+    """Two decode rows read the blocks, a prefill and six decode rows the packed bf16 weights:
+    one graph per kind of step serves both (rows are padded to at least two, not to a bucket).
+    The compiled graph rounds fused elementwise ops once, eager code after every op."""
+    from test_compiled_step import _both_ways
+
+    from flexpage.model.loader import load_hf_model
+    from flexpage.model.runner import ModelRunner, StepInputs
+
+    runner = ModelRunner(load_hf_model(tiny_gguf_folder, torch.bfloat16), num_blocks=64, block_size=8, compile=True,
+                         blocks_per_attention_block=2, gguf_path=str(tiny_gguf))
+    qkv = runner.compact.layers[0].qkv
+    assert qkv.blocks is not None and qkv.packed and runner.compiled_step._padded_rows(1) == 2
+    tables = [[4 * i + j + 1 for j in range(4)] for i in range(6)]
+    prompts = random_prompts([9, 20, 7, 11, 5, 13], seed=6)
+    steps = [
+        StepInputs(token_ids=sum(prompts, []), block_tables=tables, seq_lens=[len(p) for p in prompts],
+                   query_lens=[len(p) for p in prompts], sample_rows=list(np.cumsum([len(p) for p in prompts]) - 1)),
+        StepInputs(token_ids=[11, 12], block_tables=tables[:2], seq_lens=[10, 21], query_lens=[1, 1], sample_rows=[0, 1]),
+        StepInputs(token_ids=list(range(20, 26)), block_tables=tables, seq_lens=[len(p) + 1 for p in prompts],
+                   query_lens=[1] * 6, sample_rows=list(range(6))),
+    ]
+    for inputs in steps:
+        compiled, compiled_pool, layered, layered_pool = _both_ways(runner, inputs)
+        # bf16 logits are rounded at their own scale (this model's reach ~50: a unit in the last place is 0.25)
+        torch.testing.assert_close(compiled, layered, rtol=2e-2, atol=1e-2 * layered.abs().max().item())
+        torch.testing.assert_close(compiled_pool, layered_pool, rtol=2e-2, atol=5e-2)
+        runner.pool.storage.copy_(compiled_pool)
 
 
 @pytest.mark.usefixtures("single_torch_thread", "kv_blocks_returned")

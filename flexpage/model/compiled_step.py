@@ -48,7 +48,7 @@ from flexpage.attention.paging import AttentionGroup, PagedBatch
 from flexpage.attention.recipe import Recipe
 from flexpage.attention.saved_programs import Program, compiled_program
 from flexpage.model.compact import CompactDecoder, rms_norm
-from flexpage.model.gguf_linear import block_linear, embedding
+from flexpage.model.gguf_linear import MAX_BLOCK_ROWS, block_linear, block_or_packed_linear, embedding
 from flexpage.model.packed_linear import PackedLinear, padded_rows, tiled_linear
 from flexpage.model.tensor_parallel import TensorParallel
 
@@ -122,6 +122,8 @@ class CompiledStep:
         self.embed = decoder.embed if decoder.embed_blocks is None else decoder.embed_blocks
         #: what the graph specialises on in the weights and pools, whose tensors it does not guard
         self.layout = _layout((self.layer_weights, self.layer_pools, self.head))
+        # steps of up to this many rows read the projections' blocks (bf16 models that keep both)
+        self._block_rows = MAX_BLOCK_ROWS if any(l.blocks is not None and l.weight is not None for l in linears) else 0
         self.steps_run = 0  # steps this object ran (tests and profiles read it)
 
     @staticmethod
@@ -154,9 +156,12 @@ class CompiledStep:
 
     def _padded_rows(self, rows: int) -> int:
         """The rows a projection computes for ``rows`` inputs: the packed linears' bucket (one
-        oneDNN kernel per bucket), or whole row tiles."""
+        oneDNN kernel per bucket), whole row tiles, or (at least two of) the rows themselves where
+        the projections read their blocks (whose work grows with every row)."""
         tile = self.shape.row_tile
-        return padded_rows(rows, self.decoder.lm_head.row_step) if tile is None else -(-rows // tile) * tile
+        if tile is not None:
+            return -(-rows // tile) * tile
+        return max(rows, 2) if rows <= self._block_rows else padded_rows(rows, self.decoder.lm_head.row_step)
 
 
 def _weights(linear: PackedLinear) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -289,9 +294,9 @@ def _forward(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
     group_size = heads // kv_heads
     kernel_options = dict(shape.kernel_options)
 
-    def linear(x: Tensor, weight: Tensor, blocks: Tensor | None, bias: Tensor | None) -> Tensor:
+    def linear(x: Tensor, weight: Tensor | None, blocks: Tensor | None, bias: Tensor | None) -> Tensor:
         if blocks is not None:
-            return block_linear(x, blocks, bias)
+            return block_linear(x, blocks, bias) if weight is None else block_or_packed_linear(x, blocks, weight, bias)
         if shape.row_tile is not None:
             return tiled_linear(x, weight, bias, shape.packed, shape.row_tile)
         if shape.packed:

@@ -38,7 +38,8 @@ from torch import Tensor
 from flexpage.model.dtypes import cpu_flags
 from flexpage.model.gguf_file import gguf_tensors
 
-__all__ = ["available", "block_linear", "embedding", "expand", "gguf_blocks", "repack"]
+__all__ = ["MAX_BLOCK_ROWS", "available", "block_linear", "block_or_packed_linear", "embedding", "expand", "gguf_blocks",
+           "repack"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,11 @@ GGUF_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 BLOCK_BYTES = {"Q4_1": 24, "Q8_0": 36}
 _SOURCE = pathlib.Path(__file__).with_name("csrc") / "gguf_linear.cpp"
 _CPU_FLAGS = ("avx2", "fma", "f16c")
+#: a bf16 model's projections read their blocks up to this many rows, oneDNN's packed bf16 beyond
+#: (:func:`block_or_packed_linear`). One forward's projections and LM head on the 2-core AMD EPYC
+#: Zen 5 (``python -m bench.gguf_linear``): blocks 3.9, 4.7, 6.8, 14.1 ms at 1, 2, 4, 8 rows;
+#: packed bf16 8.2, 7.1, 7.1, 9.2 ms, and 11.1 ms at the 16 rows a small batch is padded to.
+MAX_BLOCK_ROWS = 4
 
 #: GGUF tensor names (``blk.<i>.`` dropped) -> HF parameter names of a Llama-family model
 _HF_NAMES = {
@@ -76,6 +82,7 @@ def available() -> bool:
         log.warning("GGUF block kernel not built, projections run in float32: %s", error)
         return False
     torch.library.register_fake("flexpage::block_linear")(_block_linear_shape)
+    torch.library.register_fake("flexpage::block_or_packed_linear")(_block_or_packed_linear_shape)
     return True
 
 
@@ -95,10 +102,23 @@ def _block_linear_shape(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tenso
     return x.new_empty(x.shape[0], blocks.shape[0])
 
 
+def _block_or_packed_linear_shape(x: Tensor, blocks: Tensor, packed: Tensor, bias: Tensor | None,
+                                  max_block_rows: int) -> Tensor:
+    return x.new_empty(x.shape[0], blocks.shape[0])
+
+
 def block_linear(x: Tensor, blocks: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x @ W.T + bias`` (float32) for ``W`` given as the kernel's blocks (:func:`repack`), Q4_1
     ``[out, in / 32 * 24]`` or Q8_0 ``[out, in / 32 * 36]``. Needs :func:`available`."""
     return torch.ops.flexpage.block_linear(x, blocks, bias)
+
+
+def block_or_packed_linear(x: Tensor, blocks: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ W.T + bias`` in ``x``'s dtype for ``W`` given twice: as the kernel's blocks, read for up
+    to :data:`MAX_BLOCK_ROWS` rows (in float32, rounded to ``x``'s dtype after), and packed for
+    oneDNN (``packed``, ``x``'s dtype) for more. One operator that picks per call, so one compiled
+    graph serves batch-1 decode and prefill alike. Needs :func:`available`."""
+    return torch.ops.flexpage.block_or_packed_linear(x, blocks, packed, bias, MAX_BLOCK_ROWS)
 
 
 def embedding(token_ids: Tensor, blocks: Tensor, features: int) -> Tensor:
@@ -150,9 +170,11 @@ def gguf_blocks(gguf_path: str | os.PathLike[str], model: torch.nn.Module) -> di
     GGUF ``model`` was converted from, by HF parameter name (``model.layers.0.self_attn.q_proj.weight``;
     a tied LM head under both of its names).
 
-    Only blocks that expand to exactly the model's float32 weight are returned (trying the
-    row order llama.cpp permutes q and k into); anything else -- other quantisations, other
-    architectures' names, a model modified after loading -- keeps its float32 weight.
+    Only blocks that expand to exactly the model's float32 weight, or round to exactly its
+    bfloat16 weight, are returned (trying the row order llama.cpp permutes q and k into);
+    anything else -- other quantisations, other architectures' names, a model modified after
+    loading -- keeps its weight only. A bfloat16 model's blocks are the weights it was rounded
+    from: computed from them, results are float32's.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     config = model.config.get_text_config()
@@ -163,10 +185,11 @@ def gguf_blocks(gguf_path: str | os.PathLike[str], model: torch.nn.Module) -> di
         if kind not in GGUF_BLOCK_BYTES or name not in params:
             continue
         weight = params[name]
-        if weight.dtype != torch.float32 or weight.is_meta:
+        if weight.dtype not in (torch.float32, torch.bfloat16) or weight.is_meta:
             continue
         raw = torch.from_numpy(tensor.data.copy()).reshape(weight.shape[0], -1)
-        match = next((b for b in _row_orders(raw, head_counts) if torch.equal(expand(kind, b), weight)), None)
+        match = next((b for b in _row_orders(raw, head_counts)
+                      if torch.equal(expand(kind, b).to(weight.dtype), weight)), None)
         if match is not None:
             blocks = repack(kind, match)
             found.update((alias, blocks) for alias, param in params.items() if param is weight)

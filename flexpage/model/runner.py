@@ -216,9 +216,10 @@ class ModelRunner:
         of the pool: its KV heads, with the block tables every rank shares. Every rank must
         execute the same steps (:class:`~flexpage.parallel.leader.LeaderRunner`).
 
-        ``gguf_path``: the GGUF ``model`` was converted from. On the compact forward in float32
-        (not deterministic, one process), projections and the LM head it holds as Q4_1 or Q8_0
-        are computed from those blocks (:mod:`~flexpage.model.gguf_linear`).
+        ``gguf_path``: the GGUF ``model`` was converted from. On the compact forward (not
+        deterministic, one process), projections and the LM head it holds as Q4_1 or Q8_0 are
+        computed from those blocks (:mod:`~flexpage.model.gguf_linear`): in float32 always, in
+        bf16 for steps of a few rows.
         """
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl: got {model_impl!r}, expected one of {MODEL_IMPLS}")
@@ -258,7 +259,8 @@ class ModelRunner:
             heads_per_rank = num_heads // parallel.size
             self.layer_recipes = tuple(offset_heads(r, parallel.rank * heads_per_rank) for r in self.layer_recipes)
         compact = model_impl != "transformers" and supports(model)
-        blocks = (gguf_linear.gguf_blocks(gguf_path, model) if compact and gguf_path is not None and self.dtype == torch.float32
+        blocks = (gguf_linear.gguf_blocks(gguf_path, model)
+                  if compact and gguf_path is not None and self.dtype in (torch.float32, torch.bfloat16)
                   and row_tile is None and parallel is None and gguf_linear.available() else None)
         self.compact = CompactDecoder(model, row_tile=row_tile, parallel=parallel, blocks=blocks) if compact else None
         if self.compact is None and row_tile is not None:

@@ -1,4 +1,5 @@
-// y = x @ W.T + bias with W kept as GGUF quantised blocks: flexpage::block_linear.
+// y = x @ W.T + bias with W kept as GGUF quantised blocks: flexpage::block_linear; and
+// flexpage::block_or_packed_linear, which picks the blocks or oneDNN's packed weight per call.
 //
 // GGUF stores 32 weights of one output row per block. Q4_1: fp16 scale d, fp16 offset m, then
 // 16 bytes of 4-bit codes q (low nibbles are weights 0-15, high nibbles 16-31); w = d * q + m.
@@ -17,6 +18,7 @@
 // oneDNN's packed float32 from 160 rows up, faster below (bench/gguf_linear.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -243,12 +245,36 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std
   return out;
 }
 
+// A model whose weights are also packed for oneDNN (bf16 where the CPU has bf16): up to
+// max_block_rows rows are computed from the blocks in float32 (memory-bound, and the blocks are
+// ~40% of bf16's bytes), more rows by oneDNN's packed kernel on `packed` (compute-bound, where
+// bf16 runs at twice float32's rate). One operator, so that one compiled graph serves both.
+at::Tensor block_or_packed_linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& packed,
+                                  const std::optional<at::Tensor>& bias, int64_t max_block_rows) {
+  if (x.size(0) <= max_block_rows) {
+    std::optional<at::Tensor> bias32;
+    if (bias.has_value() && bias->defined()) bias32 = bias->to(at::kFloat);
+    return block_linear(x.to(at::kFloat), blocks, bias32).to(x.scalar_type());
+  }
+  static const auto linear = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                        c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
+  return linear.call(x.contiguous(), packed, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(flexpage, m) {
   m.def("block_linear(Tensor x, Tensor blocks, Tensor? bias) -> Tensor");
+  m.def("block_or_packed_linear(Tensor x, Tensor blocks, Tensor packed, Tensor? bias, int max_block_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flexpage, CPU, m) {
   m.impl("block_linear", &block_linear);
+  m.impl("block_or_packed_linear", &block_or_packed_linear);
+}
+
+TORCH_LIBRARY_IMPL(flexpage, MkldnnCPU, m) {  // `packed` is a oneDNN tensor
+  m.impl("block_or_packed_linear", &block_or_packed_linear);
 }
