@@ -152,7 +152,8 @@ def serve(
     kv_resident_bytes: Optional[str] = typer.Option(None, help="With --kv-layout virtual: KV memory in use at once, "
                                                                "e.g. 2GiB [default: --kv-cache-memory]."),
     quantization: str = typer.Option("auto", help="auto (a GGUF model's Q4_1/Q8_0 weights are computed from their "
-                                                  "blocks, float32 only) | none (float32 weights)."),
+                                                  "blocks: in float32 always, in bf16 for steps of up to 4 rows) | "
+                                                  "none (the model's weights only)."),
     tensor_parallel_size: int = typer.Option(1, help="Ranks that each hold 1/N of every layer and of the KV heads "
                                                      "(spawned on this host; or start ranks with torchrun -m "
                                                      "flexpage.worker, see docs/scaling.md)."),

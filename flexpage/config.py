@@ -126,7 +126,8 @@ class EngineConfig:
     # seconds a rank waits in a collective for a peer before the engine fails (a hung rank)
     tensor_parallel_timeout: float = 120.0
     # "auto": a GGUF model's Q4_1/Q8_0 projections and LM head are computed from their blocks
-    # (float32, flexpage.model.gguf_linear; same weights, a fifth of the bytes); "none": float32 only
+    # (flexpage.model.gguf_linear; same weights, a fifth of float32's bytes): always in float32,
+    # for steps of up to 4 rows in bf16; "none": the model's weights only
     quantization: str = "auto"
 
     def __post_init__(self) -> None:

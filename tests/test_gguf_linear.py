@@ -62,6 +62,21 @@ def test_repacked_blocks_keep_codes_and_widen_scales_exactly(kind):
                        gguf[..., :2 * scales].contiguous().view(torch.float16).float())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", KINDS)
+def test_blocks_match_the_weight_they_expand_to_and_no_weight_one_unit_in_the_last_place_away(kind, dtype):
+    """How :func:`gguf_blocks` checks a model's weights (bf16: rounded to nearest-even, as torch rounds)."""
+    raw = _blocks(kind, 24, 64)
+    blocks, weight = gguf_linear.repack(kind, raw), gguf_linear.expand(kind, raw).to(dtype)
+    assert torch.ops.flexpage.blocks_match(blocks, weight)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for row, col in ((0, 0), (23, 63), (11, 37)):
+        moved = weight.clone()
+        moved.view(bits)[row, col] += 1
+        assert not torch.ops.flexpage.blocks_match(blocks, moved), (row, col)
+    assert not torch.ops.flexpage.blocks_match(blocks, weight[:, :32])  # blocks of another width
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(("out_features", "in_features"), [(37, 64), (8, 96), (130, 32), (48, 64), (16, 2048)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 17, 100])

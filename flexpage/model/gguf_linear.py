@@ -12,7 +12,10 @@ EPYC Zen 3 (AVX2), one forward's projections and LM head (``python -m bench.gguf
 took 9-13 vs 27-35 ms through oneDNN's packed float32 at 1 row, 14 vs 35 at 4, 38-44 vs 45-51
 at 12, 42 vs 52 at 16, 97-107 vs 115-122 at 48, 159-181 vs 195-203 at 96, 277 vs 328 at 128,
 and within +-5% of oneDNN (either way, between runs) from 160 rows to 1,024. So a projection
-with blocks keeps no float32 copy (:class:`~flexpage.model.packed_linear.PackedLinear`).
+with blocks keeps no float32 copy (:class:`~flexpage.model.packed_linear.PackedLinear`). A bf16
+model keeps its packed bf16 weights too and reads the blocks for up to :data:`MAX_BLOCK_ROWS`
+rows only (:func:`block_or_packed_linear`): bf16 runs at twice float32's rate once the rows
+make it compute-bound.
 
 The blocks expand to exactly the float32 weights the model was loaded with (``d * q [+ m]``
 with ``d * q`` exact), which :func:`gguf_blocks` checks for every weight before using it:
@@ -168,7 +171,7 @@ def repack(kind: str, blocks: Tensor) -> Tensor:
 def gguf_blocks(gguf_path: str | os.PathLike[str], model: torch.nn.Module) -> dict[str, Tensor]:
     """The kernel's blocks (:func:`repack`) of ``model``'s weights stored as Q4_1 or Q8_0 in the
     GGUF ``model`` was converted from, by HF parameter name (``model.layers.0.self_attn.q_proj.weight``;
-    a tied LM head under both of its names).
+    a tied LM head under both of its names). Needs :func:`available`.
 
     Only blocks that expand to exactly the model's float32 weight, or round to exactly its
     bfloat16 weight, are returned (trying the row order llama.cpp permutes q and k into);
@@ -188,10 +191,9 @@ def gguf_blocks(gguf_path: str | os.PathLike[str], model: torch.nn.Module) -> di
         if weight.dtype not in (torch.float32, torch.bfloat16) or weight.is_meta:
             continue
         raw = torch.from_numpy(tensor.data.copy()).reshape(weight.shape[0], -1)
-        match = next((b for b in _row_orders(raw, head_counts)
-                      if torch.equal(expand(kind, b).to(weight.dtype), weight)), None)
-        if match is not None:
-            blocks = repack(kind, match)
+        candidates = (repack(kind, b) for b in _row_orders(raw, head_counts))
+        blocks = next((b for b in candidates if torch.ops.flexpage.blocks_match(b, weight.detach())), None)
+        if blocks is not None:
             found.update((alias, blocks) for alias, param in params.items() if param is weight)
     return found
 
