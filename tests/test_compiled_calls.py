@@ -52,19 +52,17 @@ def test_kernel_options_name_the_tuned_template_the_vector_isa_and_the_bf16_dot_
 def test_the_vector_isa_probe_is_inductors_pick_and_is_kept_on_disk_for_the_next_process(monkeypatch, tmp_path):
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    from flexpage.attention import flex
-
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    flex._cpu_vec_isa.cache_clear()  # as a new process
+    _cpu_template_tuning.cpu_vec_isa.cache_clear()  # as a new process
     try:
-        assert flex._cpu_vec_isa() == str(pick_vec_isa())
+        assert _cpu_template_tuning.cpu_vec_isa() == str(pick_vec_isa())
         [kept] = (tmp_path / "flexpage-vec-isa").iterdir()
         assert kept.read_text() == str(pick_vec_isa())
         kept.write_text("read from disk")
-        flex._cpu_vec_isa.cache_clear()
-        assert flex._cpu_vec_isa() == "read from disk"
+        _cpu_template_tuning.cpu_vec_isa.cache_clear()
+        assert _cpu_template_tuning.cpu_vec_isa() == "read from disk"
     finally:
-        flex._cpu_vec_isa.cache_clear()
+        _cpu_template_tuning.cpu_vec_isa.cache_clear()
 
 
 def test_a_process_limited_to_avx2_compiles_under_another_key():

@@ -48,9 +48,12 @@ graph cache does not see template text).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import functools
 import hashlib
 import os
+import platform
 import re
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -514,10 +517,33 @@ def _rows_blocked(template: Any) -> bool:
     return prefill and template.input_nodes[0].get_dtype() == torch.float32
 
 
-def _compiles_avx512() -> bool:
-    from torch._inductor.cpu_vec_isa import VecAVX512, pick_vec_isa
+@functools.cache
+def cpu_vec_isa() -> str:
+    """Inductor's choice of vector ISA for this process (``str(pick_vec_isa())``: ``"avx2"``,
+    ``"avx512"``, ``"avx512 avx512_vnni amx_tile"``, ...). Inductor finds it by compiling and
+    running a test program per ISA (~0.4-0.9 s of every start), so the answer is kept on disk
+    under what it depends on: the CPU's features, ``ATEN_CPU_CAPABILITY``, Inductor's
+    ``simdlen`` and compiler, the torch version."""
+    from torch._inductor import config, cpu_vec_isa
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    return isinstance(pick_vec_isa(), VecAVX512)
+    facts = repr((torch.__version__, platform.machine(), cpu_vec_isa.x86_isa_checker(),
+                  torch.backends.cpu.get_cpu_capability(), os.environ.get("ATEN_CPU_CAPABILITY"),
+                  config.cpp.simdlen, config.cpp.cxx))
+    path = Path(cache_dir()) / "flexpage-vec-isa" / hashlib.sha256(facts.encode()).hexdigest()[:32]
+    with contextlib.suppress(OSError):
+        return path.read_text()
+    isa = str(cpu_vec_isa.pick_vec_isa())
+    with contextlib.suppress(OSError):  # a read-only cache: probe again next time
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}")
+        partial.write_text(isa)
+        partial.replace(path)
+    return isa
+
+
+def _compiles_avx512() -> bool:
+    return "avx512" in cpu_vec_isa().split()  # VecAVX512 and its subclasses (VNNI, AMX)
 
 
 def packs_for_amx(dtype: torch.dtype) -> bool:
@@ -525,9 +551,7 @@ def packs_for_amx(dtype: torch.dtype) -> bool:
     packed K/V (bf16, or fp16 with AMX-FP16, in the AMX code Inductor compiles here).
     Everywhere else a reduced-precision kernel runs the vector micro-gemm, which widens every
     load to float32."""
-    from torch._inductor.cpu_vec_isa import VecAMX, pick_vec_isa
-
-    if dtype not in (torch.bfloat16, torch.float16) or not isinstance(pick_vec_isa(), VecAMX):
+    if dtype not in (torch.bfloat16, torch.float16) or "amx_tile" not in cpu_vec_isa().split():
         return False
     return dtype == torch.bfloat16 or torch.cpu._is_amx_fp16_supported()
 

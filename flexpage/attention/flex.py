@@ -31,10 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import os
-import pathlib
-import platform
 from collections.abc import Callable
 
 import torch
@@ -191,30 +187,6 @@ VEC_ISA_OPTION = "FLEXPAGE_CPU_VEC_ISA"
 
 
 @functools.cache
-def _cpu_vec_isa() -> str:
-    """Inductor's choice of vector ISA for this process. Inductor finds it by compiling and
-    running a test program per ISA (~0.4 s of every start), so the answer is kept on disk
-    under what it depends on: the CPU's features, ``ATEN_CPU_CAPABILITY``, Inductor's
-    ``simdlen`` and compiler, the torch version."""
-    from torch._inductor import config, cpu_vec_isa
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    facts = repr((torch.__version__, platform.machine(), cpu_vec_isa.x86_isa_checker(),
-                  torch.backends.cpu.get_cpu_capability(), os.environ.get("ATEN_CPU_CAPABILITY"),
-                  config.cpp.simdlen, config.cpp.cxx))
-    path = pathlib.Path(cache_dir()) / "flexpage-vec-isa" / hashlib.sha256(facts.encode()).hexdigest()[:32]
-    with contextlib.suppress(OSError):
-        return path.read_text()
-    isa = str(cpu_vec_isa.pick_vec_isa())
-    with contextlib.suppress(OSError):  # a read-only cache: probe again next time
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}")
-        partial.write_text(isa)
-        partial.replace(path)
-    return isa
-
-
-@functools.cache
 def gathered_attention_dtype(dtype: torch.dtype, device: torch.device,
                              deterministic: bool = False) -> torch.dtype:
     """The dtype rows over a gathered copy of their keys attend in (prefill rows; in a
@@ -257,7 +229,7 @@ def isa_kernel_options(device: torch.device) -> dict:
     by an AVX-512 process and corrupted its heap. As a kernel option the ISA is part of the
     graph, hence of the cache key. Every compiled flexpage kernel carries it.
     """
-    return {VEC_ISA_OPTION: _cpu_vec_isa()} if device.type == "cpu" else {}
+    return {VEC_ISA_OPTION: _cpu_template_tuning.cpu_vec_isa()} if device.type == "cpu" else {}
 
 
 def kernel_options_for(device: torch.device, kernel_options: dict | None, *, deterministic: bool = False) -> dict:
