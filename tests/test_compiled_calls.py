@@ -49,20 +49,31 @@ def test_kernel_options_name_the_tuned_template_the_vector_isa_and_the_bf16_dot_
     assert isa_kernel_options(torch.device("meta")) == {}
 
 
-def test_the_vector_isa_probe_is_inductors_pick_and_is_kept_on_disk_for_the_next_process(monkeypatch, tmp_path):
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
+def test_inductors_vector_isa_probe_is_kept_on_disk_for_the_next_process(monkeypatch, tmp_path):
+    """Inductor probes the ISAs by compiling test programs (~1 s a start); the kept answer is the
+    probe's, and a later process (a cleared cache) takes it from disk, not from a new probe."""
+    import json
+
+    from torch._inductor import cpu_vec_isa as inductor
+
+    from flexpage.attention import _vec_isa_cache
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    _cpu_template_tuning.cpu_vec_isa.cache_clear()  # as a new process
+    _vec_isa_cache.apply()  # installed once per process (kernel options already did)
+    probed = [str(isa) for isa in inductor.valid_vec_isa_list.probe()]  # Inductor's own probe, run now
+    inductor.valid_vec_isa_list.cache_clear()  # as a new process
     try:
-        assert _cpu_template_tuning.cpu_vec_isa() == str(pick_vec_isa())
+        picked = _vec_isa_cache.cpu_vec_isa()
         [kept] = (tmp_path / "flexpage-vec-isa").iterdir()
-        assert kept.read_text() == str(pick_vec_isa())
-        kept.write_text("read from disk")
-        _cpu_template_tuning.cpu_vec_isa.cache_clear()
-        assert _cpu_template_tuning.cpu_vec_isa() == "read from disk"
+        names = json.loads(kept.read_text())
+        assert names == probed and picked in names
+        assert [str(isa) for isa in inductor.valid_vec_isa_list()] == probed
+        assert all(isa in inductor.supported_vec_isa_list for isa in inductor.valid_vec_isa_list())
+        kept.write_text(json.dumps(["avx2"]))  # as if this CPU had only AVX2
+        inductor.valid_vec_isa_list.cache_clear()
+        assert _vec_isa_cache.cpu_vec_isa() == "avx2"
     finally:
-        _cpu_template_tuning.cpu_vec_isa.cache_clear()
+        inductor.valid_vec_isa_list.cache_clear()
 
 
 def test_a_process_limited_to_avx2_compiles_under_another_key():

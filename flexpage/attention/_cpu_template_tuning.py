@@ -48,18 +48,17 @@ graph cache does not see template text).
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-import functools
 import hashlib
 import os
-import platform
 import re
 from pathlib import Path
 from typing import Any, NamedTuple
 from types import SimpleNamespace
 
 import torch
+
+from flexpage.attention._vec_isa_cache import cpu_vec_isa
 
 TUNED_OPTION = "FLEXPAGE_TUNED_CPU_TEMPLATE"
 #: kernel option: every query row computed by the same arithmetic whatever the call's shape (see
@@ -515,31 +514,6 @@ def _rows_blocked(template: Any) -> bool:
     if _compiles_avx512():
         return _is_reduced(template) or prefill
     return prefill and template.input_nodes[0].get_dtype() == torch.float32
-
-
-@functools.cache
-def cpu_vec_isa() -> str:
-    """Inductor's choice of vector ISA for this process (``str(pick_vec_isa())``: ``"avx2"``,
-    ``"avx512"``, ``"avx512 avx512_vnni amx_tile"``, ...). Inductor finds it by compiling and
-    running a test program per ISA (~0.4-0.9 s of every start), so the answer is kept on disk
-    under what it depends on: the CPU's features, ``ATEN_CPU_CAPABILITY``, Inductor's
-    ``simdlen`` and compiler, the torch version."""
-    from torch._inductor import config, cpu_vec_isa
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    facts = repr((torch.__version__, platform.machine(), cpu_vec_isa.x86_isa_checker(),
-                  torch.backends.cpu.get_cpu_capability(), os.environ.get("ATEN_CPU_CAPABILITY"),
-                  config.cpp.simdlen, config.cpp.cxx))
-    path = Path(cache_dir()) / "flexpage-vec-isa" / hashlib.sha256(facts.encode()).hexdigest()[:32]
-    with contextlib.suppress(OSError):
-        return path.read_text()
-    isa = str(cpu_vec_isa.pick_vec_isa())
-    with contextlib.suppress(OSError):  # a read-only cache: probe again next time
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}")
-        partial.write_text(isa)
-        partial.replace(path)
-    return isa
 
 
 def _compiles_avx512() -> bool:

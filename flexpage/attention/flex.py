@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexpage.attention import _cpu_template_tuning, torch_patches
+from flexpage.attention._vec_isa_cache import cpu_vec_isa
 from flexpage.attention.errors import check_arg
 from flexpage.attention.paging import AttentionGroup, PagedBatch
 from flexpage.attention.recipe import Recipe
@@ -229,7 +230,7 @@ def isa_kernel_options(device: torch.device) -> dict:
     by an AVX-512 process and corrupted its heap. As a kernel option the ISA is part of the
     graph, hence of the cache key. Every compiled flexpage kernel carries it.
     """
-    return {VEC_ISA_OPTION: _cpu_template_tuning.cpu_vec_isa()} if device.type == "cpu" else {}
+    return {VEC_ISA_OPTION: cpu_vec_isa()} if device.type == "cpu" else {}
 
 
 def kernel_options_for(device: torch.device, kernel_options: dict | None, *, deterministic: bool = False) -> dict:

@@ -16,6 +16,9 @@ paged mask may hit the name clash; and on an AMX CPU whose kernels are compiled 
 (``ATEN_CPU_CAPABILITY=avx2``) the stock bf16 prefill kernel fails (it packs for AMX). The
 compiled attention paths call it before their first compile (``FlexRunner``,
 ``contiguous_attention``); ``import flexpage`` changes nothing.
+
+Apart from these, :mod:`~flexpage.attention._vec_isa_cache` keeps Inductor's vector-ISA
+probe on disk (whatever the switch: it returns what the probe returns, and changes no code).
 """
 
 from __future__ import annotations
