@@ -201,3 +201,24 @@ def hf_logprobs(model: Any, prompt_ids: list[int], output_ids: list[int]) -> tor
     ids = torch.tensor([prompt_ids + output_ids])
     logits = model(ids).logits[0].float()
     return logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(output_ids)].log_softmax(-1)
+
+
+def greedy_in_two_processes(make_llm: Callable[[], Any], prompts: list[list[int]], params: Any,
+                            program_dir: pathlib.Path, monkeypatch: Any) -> tuple[list, list]:
+    """Run ``prompts`` through two engines from ``make_llm()``, the second as a new process
+    would (the compiled step programs forgotten in memory, saved under ``program_dir``): each
+    engine's greedy tokens, and the saved program files after each."""
+    from flexpage.attention import saved_programs
+    from flexpage.model import compiled_step
+
+    monkeypatch.setattr(saved_programs, "program_dir", lambda: program_dir)
+    tokens, saved = [], []
+    try:
+        for _ in range(2):
+            compiled_step._program.cache_clear()  # forget the programs, as a new process has
+            outputs = make_llm().generate([{"prompt_token_ids": p} for p in prompts], params)
+            tokens.append([o.outputs[0].token_ids for o in outputs])
+            saved.append(sorted(program_dir.glob("*.bin")))
+    finally:
+        compiled_step._program.cache_clear()  # later tests must not save into program_dir
+    return tokens, saved

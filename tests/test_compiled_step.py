@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_models import hf_greedy, load_reference, random_prompts
+from engine_models import greedy_in_two_processes, hf_greedy, load_reference, random_prompts
 from flexpage import SamplingParams
 from flexpage.model.runner import ModelRunner, StepInputs
 
@@ -100,22 +100,13 @@ def test_the_next_engine_loads_the_steps_of_a_bf16_model_with_onednn_packed_weig
     key). The second engine compiles nothing, reads the first one's programs and gives the same
     greedy tokens."""
     from flexpage import LLM
-    from flexpage.attention import saved_programs
-    from flexpage.model import compiled_step
 
-    monkeypatch.setattr(saved_programs, "program_dir", lambda: tmp_path)
-    tokens, saved = [], []
-    try:
-        for _ in range(2):
-            compiled_step._program.cache_clear()  # forget the programs, as a new process has
-            llm = LLM(str(tiny_model("llama")), dtype="bfloat16", compile=True, num_blocks=128)
-            qkv = llm.engine.runner.compact.layers[0].qkv
-            assert qkv.weight.is_mkldnn == torch.ops.mkldnn._is_mkldnn_bf16_supported()
-            outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
-            tokens.append([o.outputs[0].token_ids for o in outputs])
-            saved.append(sorted(tmp_path.glob("*.bin")))
-    finally:
-        compiled_step._program.cache_clear()  # later tests must not save into tmp_path
+    def make_llm() -> LLM:
+        llm = LLM(str(tiny_model("llama")), dtype="bfloat16", compile=True, num_blocks=128)
+        assert llm.engine.runner.compact.layers[0].qkv.weight.is_mkldnn == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return llm
+
+    tokens, saved = greedy_in_two_processes(make_llm, PROMPTS, GREEDY, tmp_path, monkeypatch)
     assert saved[0] and saved[1] == saved[0]  # the first engine saved programs, the second added none
     assert tokens[0] == tokens[1]
 

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_models import hf_greedy, load_reference, random_prompts
+from engine_models import greedy_in_two_processes, hf_greedy, load_reference, random_prompts
 from flexpage import SamplingParams
 from flexpage.model import gguf_linear
 from gguf_models import LAYERS, random_blocks, write_tiny_gguf
@@ -221,20 +221,9 @@ def test_the_next_engine_loads_the_compiled_steps_the_first_saved(tiny_gguf, tin
     """A later process skips Dynamo's tracing (:mod:`flexpage.attention.saved_programs`): the second
     engine compiles nothing, reads the first one's programs, and gives the same greedy tokens."""
     from flexpage import LLM
-    from flexpage.attention import saved_programs
-    from flexpage.model import compiled_step
 
-    monkeypatch.setattr(saved_programs, "program_dir", lambda: tmp_path)
-    tokens, saved = [], []
-    try:
-        for _ in range(2):
-            compiled_step._program.cache_clear()  # forget the programs, as a new process has
-            llm = LLM(str(tiny_gguf), dtype="float32", compile=True, num_blocks=128)
-            outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
-            tokens.append([o.outputs[0].token_ids for o in outputs])
-            saved.append(sorted(tmp_path.glob("*.bin")))
-    finally:
-        compiled_step._program.cache_clear()  # later tests must not save into tmp_path
+    tokens, saved = greedy_in_two_processes(
+        lambda: LLM(str(tiny_gguf), dtype="float32", compile=True, num_blocks=128), PROMPTS, GREEDY, tmp_path, monkeypatch)
     assert saved[0] and saved[1] == saved[0]  # the first engine saved programs, the second added none
     reference = load_reference(tiny_gguf_folder)
     assert tokens[0] == tokens[1] == [hf_greedy(reference, p, NEW_TOKENS) for p in PROMPTS]
