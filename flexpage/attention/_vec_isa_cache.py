@@ -2,7 +2,7 @@
 
 Inductor decides which vector ISAs this CPU and compiler support by compiling and running a
 test program per candidate ISA (``torch._inductor.cpu_vec_isa.valid_vec_isa_list``), once per
-process: ~1 s of every start (the first flexpage kernel option, then again the first saved
+process: ~1 s of every start (asked first by flexpage's kernel options or by the first saved
 program read, which asks ``pick_vec_isa`` for its code's ISA). The answer depends only on the
 CPU's features, the compiler and the torch version, so it is kept on disk under those (in
 Inductor's cache directory), and Inductor's function is replaced by one that reads it: the
