@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from attention_reference import BatchSpec, expected_positions_and_slots, gather_sequence_kv, make_block_tables
-from flexpage.attention.kv_pool import KVPool, allocate_pool, write_kv
+from flexpage.attention.kv_pool import KVPool, allocate_pool, fault_in, write_kv
 from flexpage.attention.paging import build_paged_batch
 from flexpage.recipes.causal import causal
 
@@ -86,6 +86,31 @@ def test_a_kv_pool_is_resident_once_it_has_waited_for_its_population_thread():
     pool.wait_until_resident()
     assert _resident_mb() - before > 240
     assert not pool.storage.any()
+
+
+def _vm_flags(address: int) -> set[str]:
+    """The ``VmFlags`` of the mapping holding ``address`` (Linux's /proc/self/smaps)."""
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            first = line.split()[0]
+            if "-" in first and ":" not in first:
+                low, high = (int(part, 16) for part in first.split("-"))
+                inside = low <= address < high
+            elif inside and first == "VmFlags:":
+                return set(line.split()[1:])
+    raise LookupError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="page advice is read from Linux's /proc")
+@pytest.mark.parametrize("slow", [False, True], ids=["fast", "slow"])
+def test_a_pool_that_populates_slowly_puts_the_rest_on_small_pages(slow: bool):
+    """``hg``: advised onto 2 MB pages; ``nh``: onto 4 KB pages. The first 32 MB stay as they were."""
+    pool = allocate_pool((1, 2, 1 << 19, 64), torch.bfloat16, populate=False)  # 128 MiB
+    fault_in(pool, slow_rate=float("inf") if slow else 0.0)
+    assert "hg" in _vm_flags(pool.data_ptr())
+    assert ("nh" if slow else "hg") in _vm_flags(pool.data_ptr() + pool.nbytes - 1)
+    assert not pool.any()
 
 
 def test_small_pools_are_ordinary_tensors():

@@ -25,6 +25,7 @@ import ctypes
 import math
 import mmap
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
@@ -181,6 +182,7 @@ def _separate_tensor(view: torch.Tensor) -> torch.Tensor:
 _HUGE_PAGE = 2 << 20
 #: ``madvise`` advice that faults a whole range in, writable (Linux 5.14; Python 3.11's mmap lacks the name)
 _MADV_POPULATE_WRITE = 23
+_MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", None)
 
 
 def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu", *,
@@ -193,8 +195,8 @@ def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     ``populate`` faults every page in now: the first write to a fresh 2 MB page costs the
     kernel's page allocation and zeroing, which, left to the first steps that write there,
     made the KV scatter 7x slower (743 vs 113 us per layer for 1,024 tokens). Populating
-    1 GiB took 0.12 s on a Xeon and 2.8 s on a Zen 3 virtual machine (:class:`KVPool` does
-    it on a thread, see :func:`fault_in`). Without it the
+    1 GiB takes ~0.1 s where 2 MB pages come cheap; where they do not, :func:`fault_in` puts
+    the rest on 4 KB pages (:class:`KVPool` populates on a thread). Without it the
     OS hands out zeroed memory page by page as it is first written (demand paging: a
     pool's size is a reservation, not an allocation).
     """
@@ -222,23 +224,39 @@ def _is_mapping(device: torch.device, nbytes: int) -> bool:
 
 #: bytes :func:`fault_in` populates per system call
 _POPULATE_CHUNK = 32 << 20
+#: populating slower than this (bytes/s) on 2 MB pages, the rest of a pool goes on 4 KB pages
+SLOW_POPULATE_RATE = 2e9
 
 
-def fault_in(pool: torch.Tensor) -> None:
+def fault_in(pool: torch.Tensor, slow_rate: float = SLOW_POPULATE_RATE) -> None:
     """Fault every page of an :func:`allocate_pool` mapping in, writable. The system calls run
     without the GIL (ctypes), so a thread can do it while Python goes on.
 
     In chunks of 32 MB: populating holds the process's memory-map lock, which every ``mmap``
     of the other threads waits for. In one 1 GiB call on the Zen 3 VM, the imports and the
     model load running beside it (allocation-heavy) took 7.1 s instead of 3.5 s, and the
-    populating itself 3.8 s instead of 1.7-2.3 s."""
+    populating itself 3.8 s instead of 1.7-2.3 s.
+
+    Once a chunk populates slower than ``slow_rate`` bytes/s, the rest is advised onto 4 KB
+    pages. On a virtual machine whose host backs guest memory on first touch (the
+    Firecracker VMs flexpage is tested on), 2 MB pages come from guest memory nobody touched
+    yet and populated at 0.16 GB/s (1 GiB: 3.6-4.9 s, the longest part of a warm start), 4 KB
+    pages at ~3 GB/s from memory the guest reuses, and 2 MB pages it had freed just before at
+    ~21 GB/s. The engine's throughput showed no difference between the page sizes there."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     start, nbytes = pool.data_ptr(), pool.nbytes
+    may_be_huge = _MADV_NOHUGEPAGE is not None
     for offset in range(0, nbytes, _POPULATE_CHUNK):
-        if libc.madvise(start + offset, min(_POPULATE_CHUNK, nbytes - offset), _MADV_POPULATE_WRITE) != 0:
+        length = min(_POPULATE_CHUNK, nbytes - offset)
+        began = time.perf_counter()
+        if libc.madvise(start + offset, length, _MADV_POPULATE_WRITE) != 0:
             pool.view(-1).view(torch.uint8)[:: mmap.PAGESIZE].zero_()  # an older kernel: touch every page instead
             return
+        end = offset + length
+        if may_be_huge and end < nbytes and length < slow_rate * (time.perf_counter() - began):
+            libc.madvise(start + end, nbytes - end, _MADV_NOHUGEPAGE)
+            may_be_huge = False
 
 
 def write_kv(
