@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import numpy as np
@@ -177,6 +178,28 @@ def test_the_tensor_table_is_read_as_ggufs_own_reader_reads_it(tiny_gguf, tmp_pa
     not_gguf.write_bytes(b"PK\x03\x04" + bytes(60))
     with pytest.raises(ValueError, match="not a GGUF file"):
         next(gguf_tensors(not_gguf))
+
+
+def test_the_default_models_folder_finds_the_installed_gguf_when_the_one_it_was_converted_from_is_gone(
+        tmp_path, monkeypatch):
+    """The default folder is shared by every environment; the one that converted it may be deleted."""
+    from flexpage.model import loader
+
+    monkeypatch.setenv(loader.CACHE_ENV_VAR, str(tmp_path))
+    packaged = loader._default_gguf_path()
+    default, other = loader.default_model_dir(), tmp_path / "other-model"
+
+    def record(folder: pathlib.Path, size: int) -> None:
+        folder.mkdir(exist_ok=True)
+        (folder / loader._PROVENANCE_FILE).write_text(json.dumps(
+            {"source_gguf": str(tmp_path / "deleted-venv" / packaged.name), "size": size, "mtime_ns": 1}))
+
+    record(default, packaged.stat().st_size)
+    record(other, packaged.stat().st_size)
+    assert loader.gguf_source(default) == packaged
+    assert loader.gguf_source(other) is None  # any other folder: only the file it was made from
+    record(default, packaged.stat().st_size + 1)
+    assert loader.gguf_source(default) is None  # not the file it was converted from
 
 
 def test_a_models_blocks_are_found_only_where_they_give_its_exact_weights(tiny_gguf, tiny_gguf_folder):

