@@ -19,12 +19,14 @@ the next, same greedy tokens) is in ``test_gguf_linear.py``, beside its model.
 from __future__ import annotations
 
 import logging
+import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from flexpage.attention.saved_programs import SavedProgram, fingerprint, saveable_guards
+from flexpage.attention import saved_programs
+from flexpage.attention.saved_programs import SavedProgram, fingerprint, prune, saveable_guards
 
 
 def _step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -78,6 +80,24 @@ def test_a_torn_file_is_skipped_with_a_warning(tmp_path, caplog):
     assert torch.allclose(out, expected)
     assert (program.compiled_here, program.loaded) == (0, 1)
     assert "k-torn.bin" in caplog.text
+
+
+def test_pruning_drops_the_least_recently_used_programs_until_the_rest_fit(tmp_path):
+    for when, name in enumerate(["a.bin", "b.bin", "c.bin"], start=1):  # a: used longest ago
+        (tmp_path / name).write_bytes(bytes(100))
+        os.utime(tmp_path / name, (1000.0 * when, 1000.0 * when))
+    prune(tmp_path, 200)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.bin", "c.bin"]
+    prune(tmp_path, 0, keep=tmp_path / "b.bin")
+    assert [p.name for p in tmp_path.iterdir()] == ["b.bin"]
+
+
+def test_a_save_bounds_the_folder(tmp_path, monkeypatch):
+    """Each flexpage or torch version keys new programs: the old ones must not pile up."""
+    (tmp_path / "another-version.bin").write_bytes(bytes(100))
+    monkeypatch.setattr(saved_programs, "PROGRAM_FOLDER_BYTES", 0)
+    _run(SavedProgram(_step, "k", tmp_path), 5)
+    assert [p.name.startswith("k-") for p in tmp_path.iterdir()] == [True]
 
 
 def test_a_call_like_the_last_accepted_one_skips_the_guard_check(tmp_path):

@@ -39,13 +39,16 @@ from torch._dynamo.types import GuardFilterEntry
 
 from flexpage.attention.flex import call_compiled
 
-__all__ = ["Program", "SavedProgram", "compiled_program", "fingerprint", "program_dir", "program_key",
+__all__ = ["Program", "SavedProgram", "compiled_program", "fingerprint", "program_dir", "program_key", "prune",
            "saveable_guards", "traced_in_each_process"]
 
 log = logging.getLogger(__name__)
 
 #: the folder (under Inductor's cache directory) that holds the saved programs
 PROGRAM_FOLDER = "flexpage-steps"
+#: bytes of saved programs a save leaves at most, the least recently used going first: every
+#: edit or upgrade of flexpage (or torch) keys new programs and leaves the old ones unread
+PROGRAM_FOLDER_BYTES = 1 << 30
 
 
 def program_dir() -> pathlib.Path:
@@ -254,12 +257,35 @@ class SavedProgram:
         return program
 
     def _save(self, program: Any) -> None:
-        """Write ``program`` under the key (atomically: a reader sees a whole file or none)."""
+        """Write ``program`` under the key (atomically: a reader sees a whole file or none), then
+        bound the folder (:func:`prune`)."""
+        path = self.directory / f"{self.key}-{uuid.uuid4().hex[:12]}.bin"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            program.save_compiled_function(str(self.directory / f"{self.key}-{uuid.uuid4().hex[:12]}.bin"))
+            program.save_compiled_function(str(path))
         except Exception as error:  # a full disk or an unpicklable constant costs the next start a compile
             log.warning("could not save the compiled step program: %s", error)
+            return
+        prune(self.directory, PROGRAM_FOLDER_BYTES, keep=path)
+
+
+def prune(directory: pathlib.Path, max_bytes: int, keep: pathlib.Path | None = None) -> None:
+    """Delete the least recently used programs in ``directory`` (never ``keep``) until the rest
+    take at most ``max_bytes``. Another process may be reading or deleting them too: a file
+    that vanishes is skipped, and a reader that loses one compiles afresh."""
+    files = []
+    for path in directory.glob("*.bin"):
+        with contextlib.suppress(OSError):
+            stat = path.stat()
+            files.append((stat.st_mtime, stat.st_size, path))
+    total = sum(size for _, size, _ in files)
+    for _, size, path in sorted(files, key=lambda item: item[0]):
+        if total <= max_bytes:
+            break
+        if path != keep:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            total -= size
 
 
 def _metadata(value: object, tensors: list[Tensor]) -> object:
