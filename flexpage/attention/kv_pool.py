@@ -11,7 +11,7 @@ is made (:func:`allocate_pool`), as a serving engine reserves its KV cache up fr
 attention's reads of a large pool take far fewer TLB misses than on 4 KB pages, and no
 step pays for first-touch page faults (they made a 4 x 256-token prefill step ~13% slower).
 :class:`KVPool` faults the pages in on a thread of its own while the model loads and
-compiles (on some virtual machines that takes ~2.8 s per GiB);
+compiles, on 4 KB pages from where 2 MB pages turn out slow to populate (:func:`fault_in`);
 :meth:`KVPool.wait_until_resident` waits for it.
 
 The *virtual* layout (``layout="virtual"``) keeps this shape and these block ids over a
@@ -52,7 +52,7 @@ class KVPool:
         device: torch.device | str = "cpu",
         layout: str = "paged",
     ) -> None:
-        """``layout``: ``"paged"`` claims the memory now (2 MB pages, populated); ``"virtual"``
+        """``layout``: ``"paged"`` claims the memory now (populated, see :func:`fault_in`); ``"virtual"``
         reserves address space that the OS backs page by page as tokens are written
         (:class:`~flexpage.attention.virtual_arena.VirtualArena`; CPU only), and
         :meth:`release` gives pages back."""
