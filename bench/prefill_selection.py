@@ -1,0 +1,104 @@
+"""Passkey accuracy when a prompt over its KV budget keeps whole blocks or single tokens.
+
+PagedEviction (arXiv 2509.04377) picks the best-scoring *tokens* of a prompt and packs them
+into blocks; flexpage keeps whole blocks (their tokens keep contiguous positions, so the
+paging translation stays per block: docs/kv-budget.md). Does the per-token choice find the
+key more often? This answers it outside the engine, with HF transformers in float32: one
+forward over the prompt, the cache cut to the kept tokens (at their true positions: RoPE is
+in the keys), then greedy decoding of the answer. Both choices keep the first block and the
+prompt's last (partial) block, and fill the rest of the budget by the policy's token scores:
+whole blocks by their mean score, or single tokens.
+
+Run (from the repository root)::
+
+    python -m bench.prefill_selection --samples 4 --out bench/results/prefill_selection.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from bench.longcontext import first_number, passkey_cases
+
+BLOCK = 8  # the engine's default block size
+SCORES = {  # the recipes' token scores (recipes/paged_eviction.py, recipes/key_norm.py), over layers and heads
+    "paged_eviction": lambda k, v: (v.norm(dim=-1) / k.norm(dim=-1).clamp_min(1e-6)).mean(dim=(0, 1)),
+    "key_norm": lambda k, v: (1.0 / k.norm(dim=-1).clamp_min(1e-6)).mean(dim=(0, 1)),
+}
+
+
+def kept_tokens(scores: torch.Tensor, budget: int, per_token: bool) -> torch.Tensor:
+    """Indices of the ``budget`` tokens kept of a prompt with these token ``scores``."""
+    length = scores.numel()
+    last = (length - 1) // BLOCK * BLOCK  # start of the last (possibly partial) block
+    middle = scores[BLOCK:last]
+    room = budget - BLOCK - (length - last)
+    if per_token:
+        chosen = middle.topk(room).indices + BLOCK
+    else:
+        blocks = middle.view(-1, BLOCK).mean(dim=1).topk(room // BLOCK).indices + 1
+        chosen = (blocks[:, None] * BLOCK + torch.arange(BLOCK)).flatten()
+    return torch.cat([torch.arange(BLOCK), chosen, torch.arange(last, length)]).sort().values
+
+
+@torch.no_grad()
+def answer(model, ids: torch.Tensor, keep: torch.Tensor, cache, tokens: int = 8) -> list[int]:  # noqa: ANN001
+    """Greedy tokens after the prompt's last token, attending to the kept part of ``cache``."""
+    from transformers import DynamicCache
+
+    pruned = DynamicCache()
+    for i, layer in enumerate(cache.layers):
+        pruned.update(layer.keys[:, :, keep], layer.values[:, :, keep], i)
+    token, position, out = ids[:, -1:], ids.shape[1] - 1, []
+    for _ in range(tokens):
+        logits = model(input_ids=token, position_ids=torch.tensor([[position]]), cache=pruned).logits
+        token = logits[:, -1:].argmax(dim=-1)
+        out.append(int(token))
+        position += 1
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--samples", type=int, default=4, help="prompts per depth (5 depths)")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512])
+    parser.add_argument("--haystack", choices=("repeat", "varied"), default="varied")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    from flexpage.model.loader import default_model_dir, load_hf_model, load_tokenizer
+
+    path = default_model_dir()
+    tokenizer, model = load_tokenizer(path), load_hf_model(path, torch.float32)
+    cases = passkey_cases(tokenizer, args.length, args.samples, haystack=args.haystack)
+    found: dict[str, list[bool]] = {}
+    for case in cases:
+        ids = tokenizer(case["prompt"], return_tensors="pt").input_ids
+        with torch.no_grad():
+            cache = model(input_ids=ids[:, :-1], use_cache=True).cache
+        keys = torch.stack([layer.keys[0] for layer in cache.layers])  # [layers, kv heads, tokens, dim]
+        values = torch.stack([layer.values[0] for layer in cache.layers])
+        for policy, score in SCORES.items():
+            scores = score(keys, values)
+            for budget in args.budgets:
+                for per_token in (False, True):
+                    keep = kept_tokens(scores, budget, per_token)
+                    text = tokenizer.decode(answer(model, ids, keep, cache))
+                    cell = f"{policy}, budget {budget}, {'tokens' if per_token else 'blocks'}"
+                    found.setdefault(cell, []).append(first_number(text) == case["key"])
+    result = {"length": args.length, "haystack": args.haystack, "prompts": len(cases), "dtype": "float32",
+              "accuracy": {cell: sum(hits) / len(hits) for cell, hits in found.items()}}
+    for cell, accuracy in result["accuracy"].items():
+        print(f"{cell:40s} {accuracy:.2f}")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
