@@ -25,10 +25,7 @@ import torch
 from bench.longcontext import first_number, passkey_cases
 
 BLOCK = 8  # the engine's default block size
-SCORES = {  # the recipes' token scores (recipes/paged_eviction.py, recipes/key_norm.py), over layers and heads
-    "paged_eviction": lambda k, v: (v.norm(dim=-1) / k.norm(dim=-1).clamp_min(1e-6)).mean(dim=(0, 1)),
-    "key_norm": lambda k, v: (1.0 / k.norm(dim=-1).clamp_min(1e-6)).mean(dim=(0, 1)),
-}
+POLICIES = ("paged_eviction", "key_norm")  # eviction recipes whose token scores choose
 
 
 def kept_tokens(scores: torch.Tensor, budget: int, per_token: bool) -> torch.Tensor:
@@ -71,6 +68,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
+    from flexpage.model.kv_eviction import resolve_eviction_policy
     from flexpage.model.loader import default_model_dir, load_hf_model, load_tokenizer
 
     path = default_model_dir()
@@ -83,8 +81,9 @@ def main() -> None:
             cache = model(input_ids=ids[:, :-1], use_cache=True).cache
         keys = torch.stack([layer.keys[0] for layer in cache.layers])  # [layers, kv heads, tokens, dim]
         values = torch.stack([layer.values[0] for layer in cache.layers])
-        for policy, score in SCORES.items():
-            scores = score(keys, values)
+        positions = torch.arange(keys.shape[2])
+        for policy in POLICIES:
+            scores = resolve_eviction_policy(policy).token_scores(keys, values, positions)
             for budget in args.budgets:
                 for per_token in (False, True):
                     keep = kept_tokens(scores, budget, per_token)

@@ -240,9 +240,9 @@ def fault_in(pool: torch.Tensor, slow_rate: float = SLOW_POPULATE_RATE) -> None:
     Once a chunk populates slower than ``slow_rate`` bytes/s, the rest is advised onto 4 KB
     pages. On a virtual machine whose host backs guest memory on first touch and takes free
     memory back (the Firecracker VMs flexpage is tested on: virtio-balloon free page reporting
-    hands free blocks of 128 KB and up to the host), 2 MB pages populated at 0.16 GB/s (1 GiB: 3.6-4.9 s,
-    the longest part of a warm start), 4 KB pages at ~3 GB/s from memory the guest reuses, and
-    2 MB pages it had freed just before at ~21 GB/s. The engine's throughput showed no
+    hands free blocks of 128 KB and up to the host), 2 MB pages populated at 0.16 GB/s (1 GiB:
+    3.6-4.9 s, the longest part of a warm start), 4 KB pages at ~3 GB/s from memory the guest
+    reuses, and 2 MB pages it had freed just before at ~21 GB/s. The engine's throughput showed no
     difference between the page sizes there."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
