@@ -120,3 +120,57 @@ def test_without_the_patches_stock_kernels_run_and_are_correct(tmp_path):
            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", _STOCK_RUN], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_kernels_that_differ_only_in_their_size_arguments_get_one_source_and_calls_find_their_arguments():
+    """Two graphs pass one attention kernel the same sizes under other names and in another
+    order; rewritten to name and order them by first use in the body, the two sources are one
+    (one compile), and the returned kernel puts each caller's arguments where they belong."""
+    from flexpage.attention._canonical_kernel_names import canonical_kernel
+
+    def source(params: str, batch: str, heads: str) -> str:
+        return ('#include <x>\nextern "C"\nvoid kernel(const float* in_ptr0, float* out_ptr0, %s)\n{\n'
+                '  int64_t batch = %s;\n  int64_t heads = %s * %s;\n  int64_t tmp_ks5 = 0;  // not a size argument\n}\n'
+                % (params, batch, heads, batch))
+
+    # graph A: kernel(x, out, ks1=unused, ks7=batch, ks3=heads); graph B: kernel(x, out, ks0=heads, ks2=batch, ks9=unused)
+    a = canonical_kernel(source("const int64_t ks1, const int64_t ks7, const int64_t ks3", "ks7", "ks3"))
+    b = canonical_kernel(source("const int64_t ks0, const int64_t ks2, const int64_t ks9", "ks2", "ks0"))
+    assert a.source == b.source
+    assert "int64_t batch = ks0;" in a.source and "int64_t heads = ks1 * ks0;" in a.source and "tmp_ks5 = 0" in a.source
+    assert "const int64_t ks0, const int64_t ks1, const int64_t ks2)" in a.source
+    args_a = ("x", "out", "unused", "batch", "heads")
+    assert [args_a[i] for i in a.order] == ["x", "out", "batch", "heads", "unused"]
+    args_b = ("x", "out", "heads", "batch", "unused")
+    assert [args_b[i] for i in b.order] == ["x", "out", "batch", "heads", "unused"]
+
+
+def test_kernels_already_in_canonical_form_keep_their_source_and_their_direct_call():
+    from flexpage.attention._canonical_kernel_names import canonical_kernel
+
+    pointwise = ('extern "C"  void  kernel(const float* in_ptr0, float* out_ptr0, const int64_t ks0, const int64_t ks1)\n'
+                 '{ for (int64_t x = 0; x < ks0 * ks1; ++x) out_ptr0[x] = in_ptr0[x]; }\n')
+    assert canonical_kernel(pointwise).source == pointwise
+    assert not canonical_kernel(pointwise).reordered
+    assert not canonical_kernel("no kernel here").reordered
+
+
+def test_the_patched_compile_entry_point_compiles_the_canonical_source_and_reorders_the_call(monkeypatch):
+    from torch._inductor import codecache
+    from torch._inductor.async_compile import AsyncCompile
+
+    assert torch_patches.install().active
+    compiled: list[str] = []
+
+    def load(argtypes: list[str], source: str, *args: object, **kwargs: object):
+        compiled.append(source)
+        return lambda *call_args: call_args
+
+    monkeypatch.setattr(codecache.CppPythonBindingsCodeCache, "load_pybinding", load)
+    monkeypatch.setattr("torch._inductor.async_compile.get_compile_threads", lambda: 1)
+    source = ('extern "C"\nvoid kernel(float* out_ptr0, const int64_t ks4, const int64_t ks2)\n'
+              '{ out_ptr0[0] = ks2 - ks4; }\n')
+    kernel = AsyncCompile().cpp_pybinding(["float*", "const int64_t", "const int64_t"], source)
+    assert compiled == ['extern "C"\nvoid kernel(float* out_ptr0, const int64_t ks0, const int64_t ks1)\n'
+                        '{ out_ptr0[0] = ks0 - ks1; }\n']
+    assert kernel("out", 4, 2) == ("out", 2, 4)

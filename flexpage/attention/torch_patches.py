@@ -1,11 +1,13 @@
-"""The three changes flexpage makes inside PyTorch's Inductor, installed explicitly and safely.
+"""The four changes flexpage makes inside PyTorch's Inductor, installed explicitly and safely.
 
 * :mod:`~flexpage.attention._inductor_fix`: a size-symbol name clash in the CPU FlexAttention
   template, which makes paged mask mods fail to compile;
 * :mod:`~flexpage.attention._cpu_template_tuning`: the tuned CPU template for paged attention
   (opt-in per kernel through its kernel option);
 * :mod:`~flexpage.attention._packed_linear_lowering`: graphs may call oneDNN's packed linear
-  on weights that are inputs (the compiled step: one graph for every layer).
+  on weights that are inputs (the compiled step: one graph for every layer);
+* :mod:`~flexpage.attention._canonical_kernel_names`: C++ kernels that differ only in the
+  names of their size arguments are compiled once.
 
 All rewrite private PyTorch code, so :func:`install` applies them only on the torch
 versions they were written and tested against (:data:`TESTED_TORCH`, which pyproject's
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flexpage.attention import _cpu_template_tuning, _inductor_fix, _packed_linear_lowering
+from flexpage.attention import _canonical_kernel_names, _cpu_template_tuning, _inductor_fix, _packed_linear_lowering
 
 #: torch versions (major.minor) the patches were written and tested against
 TESTED_TORCH = ("2.13",)
@@ -53,6 +55,7 @@ def install() -> PatchStatus:
         try:
             _inductor_fix.apply()
             _packed_linear_lowering.apply()
+            _canonical_kernel_names.apply()
             if not _cpu_template_tuning.apply():
                 reason = "PyTorch's CPU FlexAttention template text is not the one the tuning edits"
         except (ImportError, AttributeError) as error:
