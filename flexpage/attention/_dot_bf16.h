@@ -89,6 +89,14 @@ FLEXPAGE_DOT_TARGET void qk(const uint16_t* A, const uint16_t* B, float* C, int6
   const __mmask16 cols = N >= 16 ? __mmask16(0xffff) : __mmask16((1u << N) - 1);
   __m512 acc[S][BLOCK_M];
   start_rows<S, BLOCK_M, accum>(acc, C, ldc, cols);
+  // the next 16 key rows (the caller's next columns) on their way while these are computed: each
+  // call's loads otherwise wait on memory (a decode step streams the KV pool once); prefetches
+  // past the key block's end are harmless (they never fault)
+  for (int64_t n = 16; n < 32; ++n) {
+    for (int64_t k = 0; k < K; k += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(B + n * ldb + k), _MM_HINT_T0);
+    }
+  }
   for (int64_t k = 0; k < K; k += 32) {
     __m512i rows[16];
     for (int64_t n = 0; n < 16; ++n) {
