@@ -27,8 +27,9 @@ with a non-empty ``DOT_BF16_OPTION`` (flexpage passes one there, see :func:`dot_
 run both bf16 micro-gemms on ``vdpbf16ps`` (``_dot_bf16.h``):
 a pair of bf16 products per float32 lane, no widening, half the shuffles of the stock
 transposed tile; ``q @ k^T`` prefetches the next 16 key rows while it computes (a decode call
-streams its keys from memory, and the loads waited: 12-16% faster bf16 decode calls). float32 decode keeps ``brgemm`` and one-row
-blocks (a fast sgemm there; both changes measured slower); float32 prefill query blocks
+streams its keys from memory, and the loads waited: ~15% faster bf16 decode calls). float32
+decode keeps ``brgemm`` and one-row blocks (a fast sgemm there; both changes measured
+slower); float32 prefill query blocks
 (32 rows) block 16 rows in the q@k^T micro-gemm: 1.4-2x faster prefill calls
 (``bench/prefill.py``). In AVX2 code (no AVX-512) only float32 prefill is tuned that way,
 and its q@k^T runs on ``_avx2_fp32.h`` (the stock AVX2 transposed micro-gemm gains nothing
