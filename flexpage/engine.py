@@ -282,9 +282,11 @@ class LLMEngine:
         the seconds it took. Needs an idle engine; leaves it idle with an empty
         prefix cache (every block back in the pool).
 
-        With the compiled step (``runner.compiled_step``) that is three graphs: one prefill,
-        one decode and one mixed step build them (deterministic mode adds two: decode rows over
-        a gathered copy of their keys, alone and beside a prefill). Otherwise, layer by layer:
+        With the compiled step (``runner.compiled_step``) that is two graphs: a prefill-only
+        step builds the one of steps with prefill rows (mixed steps run it too), a decode step
+        the other (deterministic mode adds three: its prefill-only steps keep a graph of their
+        own, and decode rows over a gathered copy of their keys, alone and beside a prefill).
+        Otherwise, layer by layer:
 
         The compiled kernel specialises on the prefill query block and on one-row groups, so
         every length bucket runs once alone and once as a pair (each also decodes a token alone

@@ -4,7 +4,8 @@ compiled graph.
 * Through the engine it gives HF ``generate``'s greedy tokens (float32; Llama, Qwen2's q/k/v
   biases, Qwen3's q/k norms), in prefill, decode and mixed steps alike.
 * Each kind of step gives the logits of the layer-by-layer path, to rounding (float32, and
-  bfloat16 with oneDNN-packed weights), and writes the same K/V into the pool.
+  bfloat16 with oneDNN-packed weights), and writes the same K/V into the pool. A prefill-only
+  step runs the mixed steps' graph.
 * Its graphs are keyed by the weights' and pools' shapes (which they do not guard): a model
   that differs only there gets graphs of its own. Being unguarded, oneDNN-packed weights
   (bf16) do not keep the graphs from being saved: the next engine loads them.
@@ -133,6 +134,32 @@ def test_prefill_decode_and_mixed_steps_give_the_layer_by_layer_logits_and_kv(dt
         runner.pool.storage.copy_(compiled_pool)  # the next step continues from the compiled step's KV
     assert torch.count_nonzero(runner.pool.storage) > 0
 
+
+
+def test_a_prefill_only_step_runs_the_program_of_mixed_steps(tiny_model, monkeypatch):
+    """One graph fewer to compile (~10 s of a cold start on 2 cores): beside an idle decode
+    group that lists no key block, a prefill-only step runs the mixed steps' program, and still
+    gives the layer-by-layer logits and K/V."""
+    import flexpage.model.compiled_step as compiled_step
+
+    programs_asked = []
+    program = compiled_step._program
+    monkeypatch.setattr(compiled_step, "_program", lambda shape, groups, layout: (
+        programs_asked.append(groups), program(shape, groups, layout))[1])
+    runner = ModelRunner(load_reference(tiny_model("qwen3")), num_blocks=16, block_size=8, compile=True,
+                         blocks_per_attention_block=2)
+    prompts = random_prompts([9, 20, 30], seed=5)
+    prefill = StepInputs(token_ids=prompts[0] + prompts[1], block_tables=[[1, 2, 3, 4], [5, 6, 7, 8]],
+                         seq_lens=[9, 20], query_lens=[9, 20], sample_rows=[8, 28])
+    mixed = StepInputs(token_ids=[13, 14, *prompts[2]], block_tables=[[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]],
+                       seq_lens=[10, 21, 30], query_lens=[1, 1, 30], sample_rows=[0, 1, 31])
+    for inputs in (prefill, mixed):
+        compiled, compiled_pool, layered, layered_pool = _both_ways(runner, inputs)
+        torch.testing.assert_close(compiled, layered, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(compiled_pool, layered_pool, rtol=1e-4, atol=1e-4)
+        runner.pool.storage.copy_(compiled_pool)
+    assert programs_asked[0] == programs_asked[1]
+    assert [kind for kind, _, _ in programs_asked[0]] == ["decode", "prefill"]
 
 def test_the_compiled_step_is_off_where_it_does_not_apply(tiny_model):
     model = load_reference(tiny_model("llama"))

@@ -415,6 +415,28 @@ def _build_group(
     )
 
 
+def idle_decode_group(batch: PagedBatch, rows: int = 2) -> AttentionGroup:
+    """A decode group of ``rows`` padding rows over ``batch``'s pool that attends to nothing,
+    shaped as :func:`build_paged_batch` shapes in-place decode groups.
+
+    Why: a step program is compiled per set of groups, ~10 s each on 2 cores. With this group
+    beside its prefill group, a prefill-only step runs the program of mixed steps instead of
+    one of its own (:class:`~flexpage.model.compiled_step.CompiledStep`). The rows list no key
+    block; their outputs go to token 0, which the batch's own group writes after them (groups
+    run in order), so they change nothing."""
+    def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> Tensor:  # one tensor each: programs guard aliasing
+        return torch.zeros(rows, *shape, dtype=dtype)
+
+    kv_blocks = batch.num_pages // batch.pages_per_block
+    return AttentionGroup(
+        token_index=torch.full((rows, DECODE_Q_BLOCK), batch.num_tokens), gather_index=zeros(dtype=torch.long),
+        scatter_rows=torch.arange(rows), scatter_tokens=zeros(dtype=torch.long), q_block=DECODE_Q_BLOCK,
+        kv_block=batch.page_size * batch.pages_per_block, kv_num_blocks=zeros(1, 1), kv_indices=zeros(1, 1, kv_blocks),
+        full_kv_num_blocks=zeros(1, 1), full_kv_indices=zeros(1, 1, kv_blocks), row_seq=zeros(),
+        block_table=zeros(2), q_start=zeros(), seq_len=zeros(), page_to_logical=batch.groups[0].page_to_logical,
+    )
+
+
 def _gather_slots(table: np.ndarray, seq_len: np.ndarray, page_size: int, row_start: np.ndarray,
                   kv_len: int) -> np.ndarray:
     """``[kv_len]`` pool slots: row ``r``'s positions in order from ``row_start[r]``; slot 0 (the

@@ -23,10 +23,13 @@ What makes the graph cheap to build and to run:
   oneDNN call through :mod:`flexpage.attention._packed_linear_lowering`. A projection kept as
   GGUF blocks passes them instead (its weight is None) and runs ``flexpage::block_linear``
   (:mod:`flexpage.model.gguf_linear`).
-* **Three graphs per model.** Token rows are padded to the packed linears' buckets
+* **Two graphs per model.** Token rows are padded to the packed linears' buckets
   (:func:`~flexpage.model.packed_linear.padded_rows`) outside the graph, the per-step sizes
   are dynamic and padded to at least 2 (Dynamo specialises a size of 1), and tensors keep
-  standard strides: one graph for prefill steps, one for decode steps, one for mixed steps.
+  standard strides: one graph for decode steps, one for steps with prefill rows. A prefill-only
+  step runs the mixed steps' graph beside an idle decode group
+  (:func:`~flexpage.attention.paging.idle_decode_group`): a third graph cost ~10 s of a cold
+  start for no speed (deterministic mode keeps its own prefill graph).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from flexpage.attention.flex import (
     _gathered_group_attention, _group_attention, gathered_attention_dtype, kernel_options_for,
 )
 from flexpage.attention.kv_pool import KVPool
-from flexpage.attention.paging import AttentionGroup, PagedBatch
+from flexpage.attention.paging import AttentionGroup, PagedBatch, idle_decode_group
 from flexpage.attention.recipe import Recipe
 from flexpage.attention.saved_programs import Program, compiled_program
 from flexpage.model.compact import CompactDecoder, rms_norm
@@ -146,10 +149,13 @@ class CompiledStep:
         kv_rows = _at_least_two(torch.arange(tokens))
         step_inputs = [token_ids, cos, sin, _at_least_two(batch.slots), kv_rows, sample_rows]
         dynamic = [(t, 0) for t in step_inputs]
+        groups = batch.groups
+        if self.shape.row_tile is None and [_kind(g) for g in groups] == ["prefill"]:
+            groups = (idle_decode_group(batch), *groups)  # the mixed steps' program: one fewer to compile
         plan: list[Tensor] = []
-        for group in batch.groups:
+        for group in groups:
             plan.extend(_PLANS[_kind(group)](group, dynamic))  # type: ignore[index]
-        program = _program(self.shape, tuple((_kind(g), g.q_block, g.kv_block) for g in batch.groups), self.layout)
+        program = _program(self.shape, tuple((_kind(g), g.q_block, g.kv_block) for g in groups), self.layout)
         self.steps_run += 1
         logits = program((self.embed, self.layer_weights, self.layer_pools, self.head, *step_inputs, *plan), dynamic)
         return logits[:sampled]
