@@ -50,8 +50,10 @@ def test_kernel_options_name_the_tuned_template_the_vector_isa_and_the_bf16_dot_
 
 
 def test_inductors_vector_isa_probe_is_kept_on_disk_for_the_next_process(monkeypatch, tmp_path):
-    """Inductor probes the ISAs by compiling test programs (~1 s a start); the kept answer is the
-    probe's, and a later process (a cleared cache) takes it from disk, not from a new probe."""
+    """Inductor probes the ISAs by compiling test programs (~1 s each); where nothing asks for
+    another ISA than the best, the probe stops at the first valid one -- Inductor's own first
+    -- and a later process (a cleared cache) takes it from disk, not from a new probe. Asked
+    for another (``ATEN_CPU_CAPABILITY``), the whole probe's answer is kept apart."""
     import json
 
     from torch._inductor import cpu_vec_isa as inductor
@@ -59,16 +61,21 @@ def test_inductors_vector_isa_probe_is_kept_on_disk_for_the_next_process(monkeyp
     from flexpage.attention import _vec_isa_cache
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     _vec_isa_cache.apply()  # installed once per process (kernel options already did)
     probed = [str(isa) for isa in inductor.valid_vec_isa_list.probe()]  # Inductor's own probe, run now
     inductor.valid_vec_isa_list.cache_clear()  # as a new process
+    folder = tmp_path / "flexpage-vec-isa"
     try:
         picked = _vec_isa_cache.cpu_vec_isa()
-        [kept] = (tmp_path / "flexpage-vec-isa").iterdir()
-        names = json.loads(kept.read_text())
-        assert names == probed and picked in names
-        assert [str(isa) for isa in inductor.valid_vec_isa_list()] == probed
+        [kept] = folder.iterdir()
+        assert json.loads(kept.read_text()) == probed[:1] == [picked]
+        assert [str(isa) for isa in inductor.valid_vec_isa_list()] == probed[:1]
         assert all(isa in inductor.supported_vec_isa_list for isa in inductor.valid_vec_isa_list())
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+        assert [str(isa) for isa in inductor.valid_vec_isa_list()] == probed
+        assert len(list(folder.iterdir())) == 2
+        monkeypatch.delenv("ATEN_CPU_CAPABILITY")
         kept.write_text(json.dumps(["avx2"]))  # as if this CPU had only AVX2
         inductor.valid_vec_isa_list.cache_clear()
         assert _vec_isa_cache.cpu_vec_isa() == "avx2"
