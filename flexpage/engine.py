@@ -18,6 +18,7 @@ from typing import Any, Union
 
 import torch
 
+from flexpage.attention._vec_isa_cache import probe_in_background
 from flexpage.config import EngineConfig, check_kv_budget, parse_size
 from flexpage.conversations import ConversationRegistry
 from flexpage.core.block_manager import BlockManager
@@ -90,6 +91,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
         self.config = config = config or EngineConfig(**kwargs)
+        compile = config.compile and os.environ.get("FLEXPAGE_COMPILE", "1") != "0"
+        if compile:
+            probe_in_background()  # the compiled kernels' vector ISA, while the model loads
         path = resolve_model_path(config.model)
         dtype = default_dtype() if config.dtype == "auto" else parse_dtype(config.dtype)
         self.model_path = path
@@ -108,7 +112,6 @@ class LLMEngine:
         self.eviction_policy = resolve_eviction_policy(config.kv_eviction)
         bytes_per_block = _kv_bytes_per_token(text_config, dtype, len(self.layer_groups[0].layers)) * config.block_size
         num_blocks = config.num_blocks or max(2, parse_size(config.kv_cache_memory) // bytes_per_block)
-        compile = config.compile and os.environ.get("FLEXPAGE_COMPILE", "1") != "0"
         run_length = config.blocks_per_attention_block(dtype)
         # the virtual layout: one row of max_model_len tokens (whole key blocks) per sequence and
         # layer group, in address space; num_blocks then caps the blocks in use, not the pool

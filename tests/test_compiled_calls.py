@@ -52,8 +52,9 @@ def test_kernel_options_name_the_tuned_template_the_vector_isa_and_the_bf16_dot_
 def test_inductors_vector_isa_probe_is_kept_on_disk_for_the_next_process(monkeypatch, tmp_path):
     """Inductor probes the ISAs by compiling test programs (~1 s each); where nothing asks for
     another ISA than the best, the probe stops at the first valid one -- Inductor's own first
-    -- and a later process (a cleared cache) takes it from disk, not from a new probe. Asked
-    for another (``ATEN_CPU_CAPABILITY``), the whole probe's answer is kept apart."""
+    -- and a later process (a cleared cache) takes it from disk, not from a new probe. A caller
+    during a probe on another thread waits for its answer. Asked for another ISA
+    (``ATEN_CPU_CAPABILITY``), the whole probe's answer is kept apart."""
     import json
 
     from torch._inductor import cpu_vec_isa as inductor
@@ -67,6 +68,7 @@ def test_inductors_vector_isa_probe_is_kept_on_disk_for_the_next_process(monkeyp
     inductor.valid_vec_isa_list.cache_clear()  # as a new process
     folder = tmp_path / "flexpage-vec-isa"
     try:
+        _vec_isa_cache.probe_in_background()  # as an engine starts: the caller below waits for its answer
         picked = _vec_isa_cache.cpu_vec_isa()
         [kept] = folder.iterdir()
         assert json.loads(kept.read_text()) == probed[:1] == [picked]

@@ -23,11 +23,14 @@ import json
 import os
 import platform
 import sys
+import threading
 from pathlib import Path
 
 import torch
 
-__all__ = ["apply", "cpu_vec_isa"]
+__all__ = ["apply", "cpu_vec_isa", "probe_in_background"]
+
+_probing = threading.Lock()  # one probe at a time: a second caller waits for the first's answer
 
 
 def cpu_vec_isa() -> str:
@@ -37,6 +40,13 @@ def cpu_vec_isa() -> str:
 
     apply()
     return str(pick_vec_isa())
+
+
+def probe_in_background() -> None:
+    """Start answering :func:`cpu_vec_isa` on a thread, so that a first start's probe (test
+    programs built by g++, ~2 s) overlaps loading the model instead of following it."""
+    apply()  # here: Inductor's function is replaced once, by this thread
+    threading.Thread(target=cpu_vec_isa, name="flexpage-vec-isa-probe", daemon=True).start()
 
 
 @functools.cache  # once per process
@@ -54,7 +64,8 @@ def apply() -> bool:
 
     @functools.cache
     def _valid_isas(best_only: bool) -> list:
-        names = _kept_probe(functools.partial(_best_valid_isa, inductor, probe) if best_only else probe, best_only)
+        with _probing:
+            names = _kept_probe(functools.partial(_best_valid_isa, inductor, probe) if best_only else probe, best_only)
         return [isa for isa in inductor.supported_vec_isa_list if str(isa) in names]
 
     valid_vec_isa_list.probe = probe  # Inductor's own (tests compare)
