@@ -12,6 +12,7 @@ from flexpage.model.sampler import (
     apply_penalties,
     apply_top_k_top_p,
     make_generator,
+    row_argmax,
     sample,
 )
 from flexpage.sampling_params import SamplingParams
@@ -27,6 +28,19 @@ def _logits(batch: int, vocab: int = V, seed: int = 0, scale: float = 3.0) -> to
 def _gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
+
+
+@pytest.mark.parametrize("vocab", [49152, 128256, 50257, 96, 1024])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_is_torch_argmax(vocab, dtype):
+    """The sampler's argmax (chunk maxima first) picks torch's index in every row: ties and
+    NaNs resolve to the first, across chunks and within one; rows of -inf give index 0."""
+    x = _logits(6, vocab, seed=vocab).to(dtype)
+    x[1, :] = float("-inf")
+    x[2, vocab // 3] = x[2, vocab - 1] = 1e4  # a tie across chunks
+    x[3, 5] = x[3, 6] = 1e4  # a tie inside one
+    x[4, vocab // 2] = x[4, 7] = float("nan")
+    assert torch.equal(row_argmax(x), x.argmax(-1))
 
 # ---------------------------------------------------------------- greedy family
 

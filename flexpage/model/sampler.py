@@ -36,6 +36,7 @@ import torch
 from flexpage.sampling_params import SamplingParams
 
 __all__ = [
+    "row_argmax",
     "TokenHistory",
     "TokenLogprobs",
     "SamplerOutput",
@@ -298,6 +299,30 @@ def _gather_logprobs(
     return out
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` of a ``[B, V]`` tensor, the same indices (ties and NaN alike: the first),
+    from the maxima of chunks of the row, then the argmax inside the winning chunk.
+
+    Why: ATen's CPU argmax runs at ~7 GB/s, its ``amax`` about ten times faster. For a batch-44
+    decode step's float32 logits (49,152 columns) the argmax took 0.68 ms, this 0.10 ms (AMD
+    EPYC Zen 5, 2 threads). The first maximal chunk holds the row's first maximum, and the
+    argmax inside it finds it; a chunk holding a NaN has a NaN maximum, which argmax takes
+    first, as it does over the whole row."""
+    rows, vocab = x.shape
+    chunk = _ARGMAX_CHUNK
+    while chunk >= _ARGMAX_MIN_CHUNK and vocab % chunk:
+        chunk //= 2
+    if chunk < _ARGMAX_MIN_CHUNK or vocab == chunk:
+        return x.argmax(dim=-1)
+    chunks = x.reshape(rows, vocab // chunk, chunk)
+    best = chunks.amax(dim=-1).argmax(dim=-1)
+    return best * chunk + chunks[torch.arange(rows, device=x.device), best].argmax(dim=-1)
+
+
+_ARGMAX_CHUNK = 1024  # columns per chunk in row_argmax (halved until it divides the vocabulary)
+_ARGMAX_MIN_CHUNK = 64
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -347,7 +372,7 @@ def sample(
     x = apply_penalties(logits, params, histories)
     x = apply_min_tokens(x, params, histories, eos_token_id)
 
-    token_ids = x.argmax(dim=-1)
+    token_ids = row_argmax(x)
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if random_rows:
         if len(random_rows) == batch:
@@ -359,7 +384,7 @@ def sample(
             sub_gens = [generators[i] for i in random_rows]
         probs = _process_random_rows(sub, sub_params)
         noise = _exponential_noise(tuple(probs.shape), sub_gens, generator, probs.device)
-        sampled = probs.div_(noise).argmax(dim=-1)
+        sampled = row_argmax(probs.div_(noise))
         if len(random_rows) == batch:
             token_ids = sampled
         else:
