@@ -72,14 +72,15 @@ DETERMINISTIC_OPTION = "FLEXPAGE_DETERMINISTIC_CPU_TEMPLATE"
 #: only with :data:`TUNED_OPTION`, never deterministic
 DOT_BF16_OPTION = "FLEXPAGE_AVX512_BF16_DOT"
 DOT_BF16_ENV_SWITCH = "FLEXPAGE_BF16_DOT"  # "0": stock bf16 micro-gemms (for comparisons)
-TUNING_VERSION = 22  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
+TUNING_VERSION = 23  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
 # 6: no K/V packing buffers unless packing; 7: only the visited key blocks are packed;
 # 12: float32 prefill micro-gemms block up to 16 rows (8-11: experiments);
 # 13: AVX2 kernels never pack and keep stock micro-gemms; 14-15: deterministic kernels;
 # 16-17: deterministic kernels block rows too; 18: bf16 dot-product micro-gemms;
 # 19: AVX2 float32 prefill blocks rows, q @ k^T on _avx2_fp32.h; AVX2 full-width int64 loads plain;
 # 20: the bf16 q @ k^T prefetches the next 16 key rows; 21: a partial block's mask applied and trimmed in vector code;
-# 22: no stock q @ k^T fallback where the head dimension is a known multiple of the helper's step
+# 22: no stock q @ k^T fallback where the head dimension is a known multiple of the helper's step;
+# 23: a tail of rows computed in power-of-two row blocks
 _MAX_BLOCK_M = 16  # float32 prefill: 8 rows 10-15% slower, 32 no faster
 _MIN_FP32_BLOCKED_ROWS = 16  # decode blocks (1-8 packed query heads) keep one-row blocking in float32
 _STOCK_PV_BRANCH = "          if (!std::is_same_v<scalar_t, at::Half>) {\n            at::native::cpublas::brgemm("
@@ -120,6 +121,26 @@ _AVX2_FP32_CALL = """\
 {%- endif %}
 """
 _AVX2_FP32_HELPERS = "{% raw %}" + Path(__file__).with_name("_avx2_fp32.h").read_text() + "{% endraw %}\n"
+
+# The micro-gemm's entry computes a block of fewer rows than its row block (a query block's last
+# rows) with a kernel instantiated for exactly that many rows: 15 instantiations per kernel kind,
+# most of the C++ a prefill attention kernel holds. Tuned kernels split such a tail into blocks
+# of 8, 4, 2 and 1 rows (the kernels of the rows' own arithmetic: each row is computed alone),
+# four instantiations, which cut `g++ -O3` of the bf16 prefill attention kernel from ~5 s to ~3 s.
+_TAIL_EDITS = (
+    ("""    for (int64_t m = 0; m < M; m += {{block_m}}) {
+        int64_t block_m = std::min<int64_t>(M - m, {{block_m}});
+""", """    for (int64_t m = 0, block_m = 0; m < M; m += block_m) {
+        block_m = std::min<int64_t>(M - m, {{block_m}});
+        while (block_m < {{block_m}} && (block_m & (block_m - 1)) != 0) {  // flexpage: tails in powers of two
+            block_m &= block_m - 1;
+        }
+"""),
+    ("{%- for b in range(block_m - 1, 0, -1) %}",
+     "{%- for b in range(block_m - 1, 0, -1) if b in (1, 2, 4, 8, 16, 32, 64) %}"),
+    ("{%- for b in range(block_m, 0, -1) %}",
+     "{%- for b in range(block_m, 0, -1) if b == block_m or b in (1, 2, 4, 8, 16, 32, 64) %}"),
+)
 
 # Text edits of the stock template (each must match exactly once, else nothing is tuned).
 _LEAN_EDITS = (
@@ -362,6 +383,11 @@ def apply() -> bool:
     stock_kernel = cpp_micro_gemm.CppMicroGemmFP32Vec.TEMPLATE_KERNEL
     if stock_kernel.count(_STOCK_TRANSPOSED_CHOICE) != 2 or stock_kernel.count(_KERNEL_BODY_START) != 1:
         return False
+    tail_entry = cpp_micro_gemm.CppMicroGemmFP32Vec.TEMPLATE_ENTRY
+    if any(tail_entry.count(old) != 1 for old, _ in _TAIL_EDITS):
+        return False
+    for old, new in _TAIL_EDITS:
+        tail_entry = tail_entry.replace(old, new)
     deterministic_template = reduced_template
     for old, new in _DETERMINISTIC_EDITS:
         deterministic_template = deterministic_template.replace(old, new)
@@ -437,6 +463,7 @@ def apply() -> bool:
 
         class RowBlockedGemm(stock_gemm):  # type: ignore[misc, valid-type]
             TEMPLATE_KERNEL = kernel_text
+            TEMPLATE_ENTRY = tail_entry
 
             def __init__(self, name, input_dtype, input2_dtype, output_dtype, compute_dtype, blocking,  # noqa: ANN001
                          *rest) -> None:  # noqa: ANN002
