@@ -27,6 +27,7 @@ from flexpage.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from flexpage.core.sequence import Sequence, SequenceStatus
 from flexpage.errors import InvalidParameter
 from flexpage.kv_view import kv_view
+from flexpage.model.compile_ahead import ForkedCompile, compile_in_child
 from flexpage.model.detokenizer import IncrementalDetokenizer
 from flexpage.model.kv_eviction import block_scores, resolve_eviction_policy
 from flexpage.model.kv_tier_storage import TierStorage
@@ -53,6 +54,8 @@ class _ForwardFailed(Exception):
 #: Prompt lengths whose prefill lands in each query-block bucket of the paged attention
 #: (q_block 2, 4, 8, 16, 32 with one query block, and 32 with several).
 _WARMUP_LENGTHS = (2, 3, 5, 9, 17, 33)
+#: how long warm-up waits for a compile child once it needs its program (it then compiles it itself)
+_COMPILE_CHILD_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -312,7 +315,10 @@ class LLMEngine:
             params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
             self.add_request({"prompt_token_ids": ids(10, 5)}, params, "warmup-0")
             self.add_request({"prompt_token_ids": ids(20, 40)}, params, "warmup-1")
+            decode_ahead = self._compile_decode_step_ahead()
             self.step()
+            if decode_ahead is not None:  # its program saved, the decode step below reads it
+                decode_ahead.join(timeout=_COMPILE_CHILD_TIMEOUT_S)
             self.step()
             self.add_request({"prompt_token_ids": ids(100, 30)}, params, "warmup-2")
             self._run_to_completion()
@@ -352,6 +358,21 @@ class LLMEngine:
         self._measure_recompute_cost()
         self.runner.pool.wait_until_resident()
         return time.perf_counter() - start
+
+    def _compile_decode_step_ahead(self) -> ForkedCompile | None:
+        """A child process compiling the decode steps' program while this one compiles the
+        prefill steps' (:mod:`flexpage.model.compile_ahead`); None where that program is saved
+        already, or the runner is not a paged one of this process."""
+        runner = self.runner
+        if not isinstance(runner, ModelRunner) or runner.pool.layout != "paged" or runner.pool.num_blocks < 5:
+            return None
+        tables = [[1, 2], [3, 4]]  # two sequences two blocks long, each decoding a token
+        inputs = StepInputs(token_ids=[1, 2], block_tables=tables, seq_lens=[self.config.block_size + 1] * 2,
+                            query_lens=[1, 1], sample_rows=[0, 1],
+                            group_block_tables=[tables] * len(self.layer_groups) if len(self.layer_groups) > 1 else [])
+        with torch.inference_mode():  # as steps run: the program's guards check it
+            compile = runner.ahead_of_time(inputs)
+        return None if compile is None else compile_in_child(torch.inference_mode()(compile))
 
     def _measure_recompute_cost(self, chunk_blocks: int = 16, context_blocks: int = 128) -> None:
         """With tiers: time one chunk prefilled with no context and behind ``context_blocks``

@@ -210,6 +210,8 @@ def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     advice = "MADV_HUGEPAGE" if huge_pages else "MADV_NOHUGEPAGE"  # the latter also where THP is "always"
     if hasattr(mmap, advice):
         buffer.madvise(getattr(mmap, advice))
+    if hasattr(mmap, "MADV_DONTFORK"):  # a forked child (flexpage.model.compile_ahead) gets no copy-on-write view
+        buffer.madvise(mmap.MADV_DONTFORK)
     pool = torch.frombuffer(buffer, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
     if populate:
         fault_in(pool)

@@ -189,6 +189,26 @@ class SavedProgram:
         if program is not None:
             self._last = (metadata, torch._C._dynamo.guards.GlobalStateGuard(), program)
             return program(*args)
+        program = self._compile(args, dynamic)
+        if program is None:
+            return self._unsaveable(args, dynamic)  # type: ignore[misc]
+        self.programs.append(program)
+        self._last = (metadata, torch._C._dynamo.guards.GlobalStateGuard(), program)
+        return program(*args)
+
+    def is_saved(self) -> bool:
+        """Whether any program is saved under the key (one that accepts a given call or not)."""
+        return any(self.directory.glob(f"{self.key}-*.bin"))
+
+    def compile_and_save(self, args: Sequence[object], dynamic: Sequence[tuple[Tensor, int]]) -> None:
+        """Compile a program for calls like ``args`` and save it, without calling it: the
+        calls' tensors need only their shapes and dtypes (:mod:`flexpage.model.compile_ahead`
+        runs this in a child process whose KV pool is not mapped)."""
+        self._compile(args, dynamic)
+
+    def _compile(self, args: Sequence[object], dynamic: Sequence[tuple[Tensor, int]]) -> Any | None:
+        """A new program for ``args`` (the sizes ``dynamic`` names traced as variables), saved;
+        None (and the function traced in each process from now on) where it cannot be saved."""
         for tensor, dim in dynamic:
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
         try:
@@ -197,13 +217,11 @@ class SavedProgram:
             log.warning("the compiled program cannot be saved (%s: %s); it is traced in each process",
                         type(error).__name__, error)
             self._unsaveable = traced_in_each_process(self.function)
-            return self._unsaveable(args, dynamic)
-        program.disable_guard_check()  # checked above; its tensors carry the marks it was traced with
+            return None
+        program.disable_guard_check()  # checked by the caller; its tensors carry the marks it was traced with
         self.compiled_here += 1
         self._save(program)
-        self.programs.append(program)
-        self._last = (metadata, torch._C._dynamo.guards.GlobalStateGuard(), program)
-        return program(*args)
+        return program
 
     def _metadata(self, args: Sequence[object]) -> tuple:
         """What a program's guards read of ``args`` (tensors' type, sizes, strides, dtype,

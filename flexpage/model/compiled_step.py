@@ -49,7 +49,7 @@ from flexpage.attention.flex import (
 from flexpage.attention.kv_pool import KVPool
 from flexpage.attention.paging import AttentionGroup, PagedBatch, idle_decode_group
 from flexpage.attention.recipe import Recipe
-from flexpage.attention.saved_programs import Program, compiled_program
+from flexpage.attention.saved_programs import Program, SavedProgram, compiled_program
 from flexpage.model.compact import CompactDecoder, rms_norm
 from flexpage.model.gguf_linear import MAX_BLOCK_ROWS, block_linear, block_or_packed_linear, embedding
 from flexpage.model.packed_linear import PackedLinear, padded_rows, tiled_linear
@@ -139,6 +139,23 @@ class CompiledStep:
     @torch.no_grad()
     def __call__(self, token_ids: Tensor, positions: Tensor, sample_rows: Tensor, batch: PagedBatch) -> Tensor:
         """Logits ``[len(sample_rows), vocab]`` (model dtype) of the step ``batch``."""
+        program, args, dynamic = self._program_and_arguments(token_ids, positions, sample_rows, batch)
+        self.steps_run += 1
+        return program(args, dynamic)[: sample_rows.shape[0]]
+
+    def ahead_of_time(self, token_ids: Tensor, positions: Tensor, sample_rows: Tensor,
+                      batch: PagedBatch) -> Callable[[], None] | None:
+        """A function that compiles and saves the program a step like ``batch`` runs, without
+        running it (:mod:`flexpage.model.compile_ahead`); None where there is nothing to do
+        ahead: the program is saved already, or is not saved at all (tensor parallelism)."""
+        program, args, dynamic = self._program_and_arguments(token_ids, positions, sample_rows, batch)
+        if not isinstance(program, SavedProgram) or program.is_saved():
+            return None
+        return functools.partial(program.compile_and_save, args, dynamic)
+
+    def _program_and_arguments(self, token_ids: Tensor, positions: Tensor, sample_rows: Tensor, batch: PagedBatch,
+                               ) -> tuple[Program, list, list[tuple[Tensor, int]]]:
+        """The program of the step ``batch``, its arguments and their sizes that vary by step."""
         tokens, sampled = token_ids.shape[0], sample_rows.shape[0]
         rows = self._padded_rows(tokens)
         token_ids = F.pad(token_ids, (0, rows - tokens))
@@ -156,9 +173,7 @@ class CompiledStep:
         for group in groups:
             plan.extend(_PLANS[_kind(group)](group, dynamic))  # type: ignore[index]
         program = _program(self.shape, tuple((_kind(g), g.q_block, g.kv_block) for g in groups), self.layout)
-        self.steps_run += 1
-        logits = program((self.embed, self.layer_weights, self.layer_pools, self.head, *step_inputs, *plan), dynamic)
-        return logits[:sampled]
+        return program, [self.embed, self.layer_weights, self.layer_pools, self.head, *step_inputs, *plan], dynamic
 
     def _padded_rows(self, rows: int) -> int:
         """The rows a projection computes for ``rows`` inputs: the packed linears' bucket (one

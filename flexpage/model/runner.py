@@ -33,7 +33,7 @@ every layer: one table, a pool of all layers, as before.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -300,6 +300,41 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, inputs: StepInputs) -> Tensor:
         """Forward the flat batch; returns float32 logits ``[len(sample_rows), vocab]``."""
+        step, token_ids, positions, sample_rows = self._step(inputs)
+        with raised_compile_limits():  # once per step, not per layer (see flexpage.attention.flex)
+            if self.compiled_step is not None:
+                batch = step.batch_for(self.layer_recipes[0])
+                if self.compiled_step.accepts(batch):
+                    return self.compiled_step(token_ids, positions, sample_rows, batch).float()
+            if self.compact is not None:
+                scale, recipes = self.compact.scale, self.layer_recipes
+
+                def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+                    return _attend(step, layer, recipes[layer], scale, q, k, v)
+
+                return self.compact.forward(token_ids, positions, sample_rows, attend).float()
+            self.current_step = step
+            try:
+                out = self.model(input_ids=token_ids[None], position_ids=positions[None], use_cache=False,
+                                 logits_to_keep=sample_rows, flexpage_step=step)
+            finally:
+                self.current_step = None
+        return out.logits[0].float()
+
+    def ahead_of_time(self, inputs: StepInputs) -> Callable[[], None] | None:
+        """A function that compiles and saves the step program ``inputs`` would run, without
+        running it (:meth:`CompiledStep.ahead_of_time`); None where there is none to compile:
+        no compiled step, or its program for such steps is saved already."""
+        if self.compiled_step is None:
+            return None
+        step, token_ids, positions, sample_rows = self._step(inputs)
+        batch = step.batch_for(self.layer_recipes[0])
+        if not self.compiled_step.accepts(batch):
+            return None
+        return self.compiled_step.ahead_of_time(token_ids, positions, sample_rows, batch)
+
+    def _step(self, inputs: StepInputs) -> tuple[PagedStep, Tensor, Tensor, Tensor]:
+        """The attention context of a step, its token ids, their positions and the sampled rows."""
         per_group = inputs.group_block_tables or [inputs.block_tables]
         if len(per_group) != len(self.layer_groups):
             raise ValueError(f"group_block_tables: {len(per_group)} groups, the model has {len(self.layer_groups)}")
@@ -327,25 +362,7 @@ class ModelRunner:
                                                      np.asarray(inputs.query_lens, dtype=np.int64)))
         token_ids = torch.tensor(inputs.token_ids)
         sample_rows = torch.tensor(inputs.sample_rows, dtype=torch.long)
-        with raised_compile_limits():  # once per step, not per layer (see flexpage.attention.flex)
-            if self.compiled_step is not None:
-                batch = step.batch_for(self.layer_recipes[0])
-                if self.compiled_step.accepts(batch):
-                    return self.compiled_step(token_ids, positions, sample_rows, batch).float()
-            if self.compact is not None:
-                scale, recipes = self.compact.scale, self.layer_recipes
-
-                def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-                    return _attend(step, layer, recipes[layer], scale, q, k, v)
-
-                return self.compact.forward(token_ids, positions, sample_rows, attend).float()
-            self.current_step = step
-            try:
-                out = self.model(input_ids=token_ids[None], position_ids=positions[None], use_cache=False,
-                                 logits_to_keep=sample_rows, flexpage_step=step)
-            finally:
-                self.current_step = None
-        return out.logits[0].float()
+        return step, token_ids, positions, sample_rows
 
     def release(self, block_ranges: list[tuple[int, int]]) -> int:
         """Give the memory of freed rows ``[start, end)`` back to the OS (virtual layout; a no-op
