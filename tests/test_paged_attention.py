@@ -494,6 +494,20 @@ def test_rows_reordered_for_two_threads_still_match_reference():
         assert err < FP32_GQA_D64.tol, f"compile={compile}: relative error {err:.2e}"
 
 
+def test_two_kernel_threads_taking_items_one_at_a_time_match_reference():
+    """The tuned kernels hand (row, head, query block) items to their threads one at a time;
+    with two threads (the suite runs one) a mixed batch of decode and ragged prefill rows, in
+    SmolLM2's geometry, still gives every token its own output."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        step = causal_case(MIXED, BF16_GQA_D64)
+        err = rel_err(step.run(compile=True), step.reference())
+    finally:
+        torch.set_num_threads(threads)
+    assert err < BF16_GQA_D64.tol, f"relative error {err:.2e}"
+
+
 def test_sequences_sharing_prefix_pages_see_the_same_prefix():
     """Two decode rows whose first two pages are the same physical pages, given the same new
     token (same q, same K/V at position 32, stored on different pages), produce the same output."""
