@@ -135,11 +135,17 @@ def compiled_program(function: Callable[..., Tensor], *constants: object, saved:
     return traced_in_each_process(function)
 
 
+#: Inductor options of every program: no size, stride or alignment asserts in its Python wrapper.
+#: The guards (or :meth:`SavedProgram._metadata`) check a call's inputs; the asserts re-checked
+#: them and every buffer the graph hands its layer regions, ~100 checks per layer and step
+_INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False}
+
+
 def traced_in_each_process(function: Callable[..., Tensor]) -> Program:
     """``function`` compiled whole as a :data:`Program` that keeps nothing on disk: Dynamo
     traces it anew in every process, with its full guards (Inductor's caches still spare it
     the code generation)."""
-    compiled = torch.compile(function, dynamic=False, fullgraph=True)
+    compiled = torch.compile(function, dynamic=False, fullgraph=True, options=_INDUCTOR_OPTIONS)
 
     def run(args: Sequence[object], dynamic: Sequence[tuple[Tensor, int]]) -> Tensor:
         for tensor, dim in dynamic:
@@ -164,8 +170,8 @@ class SavedProgram:
         """``unguarded``: arguments of ``function`` whose values the programs do not check on
         each call (:func:`saveable_guards`); ``key`` must name what the programs assume of them."""
         self.function = function
-        self.compiled = torch.compile(function, dynamic=False, fullgraph=True,
-                                      options={"guard_filter_fn": functools.partial(saveable_guards, tuple(unguarded))})
+        self.compiled = torch.compile(function, dynamic=False, fullgraph=True, options={
+            **_INDUCTOR_OPTIONS, "guard_filter_fn": functools.partial(saveable_guards, tuple(unguarded))})
         self.key = key
         self.directory = directory or program_dir()
         self.programs: list[Any] = []  # torch._dynamo.aot_compile.AOTCompiledFunction
