@@ -30,7 +30,7 @@ import pathlib
 import platform
 import types
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -204,13 +204,16 @@ class SavedProgram:
 
     def is_saved(self) -> bool:
         """Whether any program is saved under the key (one that accepts a given call or not)."""
-        return any(self.directory.glob(f"{self.key}-*.bin"))
+        return any(self._saved_files())
 
     def compile_and_save(self, args: Sequence[object], dynamic: Sequence[tuple[Tensor, int]]) -> None:
         """Compile a program for calls like ``args`` and save it, without calling it: the
         calls' tensors need only their shapes and dtypes (:mod:`flexpage.model.compile_ahead`
         runs this in a child process whose KV pool is not mapped)."""
         self._compile(args, dynamic)
+
+    def _saved_files(self) -> Iterator[pathlib.Path]:
+        return self.directory.glob(f"{self.key}-*.bin")
 
     def _compile(self, args: Sequence[object], dynamic: Sequence[tuple[Tensor, int]]) -> Any | None:
         """A new program for ``args`` (the sizes ``dynamic`` names traced as variables), saved;
@@ -249,7 +252,7 @@ class SavedProgram:
         Runs inside a call, so the guards are rebuilt under the grad mode the calls run in (a
         guard compares dispatch keys)."""
         if self._unread is None:
-            self._unread = sorted(self.directory.glob(f"{self.key}-*.bin"), key=_last_used, reverse=True)
+            self._unread = sorted(self._saved_files(), key=_last_used, reverse=True)
         while self._unread:
             path = self._unread.pop(0)
             program = self._read(path)
