@@ -207,6 +207,7 @@ def test_tuned_cpu_template_is_used_only_for_flexpage_kernels(monkeypatch: pytes
         assert "allocate(batchSize_k*num_head_k*packed_k_stride" in code
         assert "allocate(batchSize_k*num_head_k*packed_v_stride" in code
         assert "num_head_k * kvSlice" not in code  # the packing loop walks the visited blocks, not the pool
+        assert "flexpage: the row's max, nothing stored" in code
     # AVX-512 code (not AVX2: ATEN_CPU_CAPABILITY=avx2 or an older CPU) also runs bf16 P@V through the
     # micro-gemm and blocks the 3 packed query heads of a decode row in one register block
     avx512 = isinstance(pick_vec_isa(), VecAVX512)
@@ -217,9 +218,12 @@ def test_tuned_cpu_template_is_used_only_for_flexpage_kernels(monkeypatch: pytes
     dot = bool(_cpu_template_tuning.dot_bf16_option())
     switched_off = os.environ.get(_cpu_template_tuning.DOT_BF16_ENV_SWITCH) == "0"
     assert dot == (avx512 and torch.cpu._is_avx512_bf16_supported() and not switched_off)
-    for helper in ("flexpage_dot_bf16::qk<BLOCK_M, accum>", "flexpage_dot_bf16::pv<BLOCK_M, accum>"):
+    for helper in ("flexpage_dot_bf16::qk<BLOCK_M, accum>", "flexpage_dot_bf16::pv<BLOCK_M, accum>",
+                   "flexpage_dot_bf16::exp_sum_bf16(qk_data"):
         assert (helper in codes[torch.bfloat16]) is dot
         assert helper not in codes[torch.float32]
+    # whole 16-row blocks (prefill query blocks) go to rows_of_16; a decode row's 3 packed heads never do
+    assert "flexpage_dot_bf16::rows_of_16<" not in codes[torch.bfloat16]
     assert "flexpage" not in stock_code
     assert "transpose_b_kernel<3, 16" not in stock_code
     assert "std::find(kv_indice_list" in stock_code

@@ -76,7 +76,7 @@ DETERMINISTIC_OPTION = "FLEXPAGE_DETERMINISTIC_CPU_TEMPLATE"
 #: only with :data:`TUNED_OPTION`, never deterministic
 DOT_BF16_OPTION = "FLEXPAGE_AVX512_BF16_DOT"
 DOT_BF16_ENV_SWITCH = "FLEXPAGE_BF16_DOT"  # "0": stock bf16 micro-gemms (for comparisons)
-TUNING_VERSION = 24  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
+TUNING_VERSION = 25  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
 # 6: no K/V packing buffers unless packing; 7: only the visited key blocks are packed;
 # 12: float32 prefill micro-gemms block up to 16 rows (8-11: experiments);
 # 13: AVX2 kernels never pack and keep stock micro-gemms; 14-15: deterministic kernels;
@@ -84,7 +84,8 @@ TUNING_VERSION = 24  # 2: float32 kernels stay stock; 5: lean per-key-block work
 # 19: AVX2 float32 prefill blocks rows, q @ k^T on _avx2_fp32.h; AVX2 full-width int64 loads plain;
 # 20: the bf16 q @ k^T prefetches the next 16 key rows; 21: a partial block's mask applied and trimmed in vector code;
 # 22: no stock q @ k^T fallback where the head dimension is a known multiple of the helper's step;
-# 23: a tail of rows computed in power-of-two row blocks; 24: items handed to threads one at a time
+# 23: a tail of rows computed in power-of-two row blocks; 24: items handed to threads one at a time;
+# 25: bf16 prefill micro-gemms in whole 16-row blocks (_dot_bf16.h rows_of_16)
 _MAX_BLOCK_M = 16  # float32 prefill: 8 rows 10-15% slower, 32 no faster
 _MIN_FP32_BLOCKED_ROWS = 16  # decode blocks (1-8 packed query heads) keep one-row blocking in float32
 _STOCK_PV_BRANCH = "          if (!std::is_same_v<scalar_t, at::Half>) {\n            at::native::cpublas::brgemm("
@@ -109,6 +110,22 @@ _DOT_BF16_CALL = """\
             reinterpret_cast<const uint16_t*>(A), reinterpret_cast<const uint16_t*>(B), C,
             {{ "N" if tail_n else "BLOCK_N" }}, K, lda, ldb, ldc);
         return;
+    }
+{%- endif %}
+"""
+# The micro-gemm entry's first line of its row loop; there bf16 kernels with DOT_BF16_OPTION and
+# 16-row blocks (prefill query blocks) compute all whole 16-row blocks with _dot_bf16.h's
+# ``rows_of_16`` (one copy of A's rows and one rearranged B tile shared by the blocks), leaving
+# only a tail of rows to the per-tile loop.
+_ENTRY_ROW_LOOP = "    // TODO(jgong5): loop unroll for M and N\n"
+_DOT_BF16_ROWS_CALL = """\
+{%- if input_dtype == torch.bfloat16 and input2_dtype == torch.bfloat16 and compute_t == "float" and block_n == 16 and block_m == 16 %}
+    if ({{ "K % 32 == 0" if trans_b else "true" }} && M >= 16 && flexpage_dot_bf16::rows_of_16<{{ "true" if trans_b else "false" }}, accum>(
+            reinterpret_cast<const uint16_t*>(A), reinterpret_cast<const uint16_t*>(B), C, M, N, K, lda, ldb, ldc)) {
+        const int64_t done = M - M % 16;  // flexpage: whole 16-row blocks done, the tail below
+        A += done * lda;
+        C += done * ldc;
+        M -= done;
     }
 {%- endif %}
 """
@@ -327,6 +344,41 @@ _LEAN_EDITS = (
     ("""      // Move to the next query
       at::native::data_index_step(i, batchSize, j, num_head, k, qSlice);
 """, ""),
+    # A row's max: the stock call multiplied the row by 1 and stored it again on the way
+    ("""          {{kernel.kernel_name}}_mul_reduce_max_fusion_kernel(
+              qk_data + row * cur_kvSplitSize,
+              static_cast<accum_t>(1),
+              cur_kvSplitSize,
+              qk_data + row * cur_kvSplitSize,
+              tmp_max);""",
+     """          {  // flexpage: the row's max, nothing stored; two chains of max instructions (a NaN score: a NaN row anyway)
+            const accum_t* scores = qk_data + row * cur_kvSplitSize;
+            Vec vec_max(-std::numeric_limits<accum_t>::infinity()), vec_max2 = vec_max;
+            int64_t col = 0;
+            for (; col + 2 * Vec::size() <= cur_kvSplitSize; col += 2 * Vec::size()) {
+              vec_max = at::vec::clamp_min(Vec::loadu(scores + col), vec_max);
+              vec_max2 = at::vec::clamp_min(Vec::loadu(scores + col + Vec::size()), vec_max2);
+            }
+            for (; col + Vec::size() <= cur_kvSplitSize; col += Vec::size()) {
+              vec_max = at::vec::clamp_min(Vec::loadu(scores + col), vec_max);
+            }
+            vec_max = at::vec::clamp_min(vec_max, vec_max2);
+            tmp_max = at::vec::vec_reduce_all<accum_t>([](Vec& x, Vec& y) { return at::vec::clamp_min(x, y); }, vec_max);
+            for (; col < cur_kvSplitSize; ++col) {
+              tmp_max = std::max(tmp_max, scores[col]);
+            }
+          }"""),
+    # bf16 probabilities converted by AVX512-BF16 instructions where the kernel has them
+    ("""            {{kernel.kernel_name}}_exp_reduce_sum_fusion_kernel(
+              qk_data + row * cur_kvSplitSize, cur_kvSplitSize,""",
+     """{%- if template.flexpage_bf16_softmax %}
+            flexpage_dot_bf16::exp_sum_bf16(qk_data + row * cur_kvSplitSize, cur_kvSplitSize,
+              reinterpret_cast<uint16_t*>(qk_reduced_data + row * cur_ekvSplitSize), tmp_sum,
+              [](__m512 x) -> __m512 { return at::vec::Vectorized<float>(x).exp_u20(); });
+            if (false)
+{%- endif %}
+            {{kernel.kernel_name}}_exp_reduce_sum_fusion_kernel(
+              qk_data + row * cur_kvSplitSize, cur_kvSplitSize,"""),
     ("""          // Apply block mask, fill unused with -inf
           {
 """,
@@ -409,7 +461,7 @@ def apply() -> bool:
     if stock_kernel.count(_STOCK_TRANSPOSED_CHOICE) != 2 or stock_kernel.count(_KERNEL_BODY_START) != 1:
         return False
     tail_entry = cpp_micro_gemm.CppMicroGemmFP32Vec.TEMPLATE_ENTRY
-    if any(tail_entry.count(old) != 1 for old, _ in _TAIL_EDITS):
+    if any(tail_entry.count(old) != 1 for old, _ in _TAIL_EDITS) or tail_entry.count(_ENTRY_ROW_LOOP) != 1:
         return False
     for old, new in _TAIL_EDITS:
         tail_entry = tail_entry.replace(old, new)
@@ -441,6 +493,8 @@ def apply() -> bool:
         self.flexpage_identity_score = lowering_state.identity_score
         self.flexpage_deterministic = lowering_state.deterministic
         self.flexpage_dot_bf16 = lowering_state.dot_bf16
+        # bf16 kernels with the dot-product helpers (_dot_bf16.h is in their micro-gemm code)
+        self.flexpage_bf16_softmax = self.flexpage_dot_bf16 and self.input_nodes[0].get_dtype() == torch.bfloat16
 
     stock_choose = template_cls.choose_flex_template
 
@@ -479,16 +533,19 @@ def apply() -> bool:
         if self.flexpage_deterministic:
             kernel_text = kernel_text.replace(_STOCK_TRANSPOSED_CHOICE, _DETERMINISTIC_TRANSPOSED_CHOICE)
         head_dim = _static_head_dim(self)
+        entry = tail_entry
         if self.flexpage_dot_bf16:
             call = _known_head_dim_test(_DOT_BF16_CALL, head_dim, 32)
             kernel_text = _DOT_BF16_HELPERS + kernel_text.replace(_KERNEL_BODY_START, _KERNEL_BODY_START + call)
+            rows_call = _known_head_dim_test(_DOT_BF16_ROWS_CALL, head_dim, 32)
+            entry = entry.replace(_ENTRY_ROW_LOOP, _ENTRY_ROW_LOOP + rows_call)
         if not (_compiles_avx512() or self.flexpage_deterministic):
             call = _known_head_dim_test(_AVX2_FP32_CALL, head_dim, 8)
             kernel_text = _AVX2_FP32_HELPERS + kernel_text.replace(_KERNEL_BODY_START, _KERNEL_BODY_START + call)
 
         class RowBlockedGemm(stock_gemm):  # type: ignore[misc, valid-type]
             TEMPLATE_KERNEL = kernel_text
-            TEMPLATE_ENTRY = tail_entry
+            TEMPLATE_ENTRY = entry
 
             def __init__(self, name, input_dtype, input2_dtype, output_dtype, compute_dtype, blocking,  # noqa: ANN001
                          *rest) -> None:  # noqa: ANN002
