@@ -76,7 +76,7 @@ DETERMINISTIC_OPTION = "FLEXPAGE_DETERMINISTIC_CPU_TEMPLATE"
 #: only with :data:`TUNED_OPTION`, never deterministic
 DOT_BF16_OPTION = "FLEXPAGE_AVX512_BF16_DOT"
 DOT_BF16_ENV_SWITCH = "FLEXPAGE_BF16_DOT"  # "0": stock bf16 micro-gemms (for comparisons)
-TUNING_VERSION = 25  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
+TUNING_VERSION = 26  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
 # 6: no K/V packing buffers unless packing; 7: only the visited key blocks are packed;
 # 12: float32 prefill micro-gemms block up to 16 rows (8-11: experiments);
 # 13: AVX2 kernels never pack and keep stock micro-gemms; 14-15: deterministic kernels;
@@ -85,7 +85,7 @@ TUNING_VERSION = 25  # 2: float32 kernels stay stock; 5: lean per-key-block work
 # 20: the bf16 q @ k^T prefetches the next 16 key rows; 21: a partial block's mask applied and trimmed in vector code;
 # 22: no stock q @ k^T fallback where the head dimension is a known multiple of the helper's step;
 # 23: a tail of rows computed in power-of-two row blocks; 24: items handed to threads one at a time;
-# 25: bf16 prefill micro-gemms in whole 16-row blocks (_dot_bf16.h rows_of_16)
+# 25-26: bf16 prefill micro-gemms in whole 16-row blocks (_dot_bf16.h rows_of_16), AVX512-BF16 probabilities, row max
 _MAX_BLOCK_M = 16  # float32 prefill: 8 rows 10-15% slower, 32 no faster
 _MIN_FP32_BLOCKED_ROWS = 16  # decode blocks (1-8 packed query heads) keep one-row blocking in float32
 _STOCK_PV_BRANCH = "          if (!std::is_same_v<scalar_t, at::Half>) {\n            at::native::cpublas::brgemm("
