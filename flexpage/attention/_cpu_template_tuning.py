@@ -39,7 +39,7 @@ rearranges each key or value tile once per call rather than once per 16 rows, at
 compiler knows (the per-tile helpers spilled their row addresses and accumulators); their
 softmax converts the probabilities to bf16 with ``vcvtneps2bf16`` (``exp_sum_bf16``), and
 every tuned kernel finds a row's max without storing the row again: a 1,024-token bf16 GQA
-prefill call took ~2.7-2.9 ms instead of 4.2 (AMD EPYC Zen 5). float32
+prefill call took ~2.6-2.9 ms instead of 4.2 (AMD EPYC Zen 5). float32
 decode keeps ``brgemm`` and one-row blocks (a fast sgemm there; both changes measured
 slower); float32 prefill query blocks
 (32 rows) block 16 rows in the q@k^T micro-gemm: 1.4-2x faster prefill calls

@@ -169,7 +169,7 @@ FLEXPAGE_DOT_TARGET void pv(const uint16_t* A, const uint16_t* B, float* C, int6
 // keep sixteen row addresses in registers, spill them and their accumulators, and ran at
 // ~35% (P @ V) and ~60% (q @ k^T) of the dot-product unit's rate on 2-core Zen 5. Here a chunk
 // of A's rows is copied once, at a stride fixed at compile time (KS), so every broadcast is a
-// constant offset from one address and folds into vdpbf16ps; and B's 16-column tile is
+// constant offset from one address (no row addresses to keep); and B's 16-column tile is
 // rearranged into dot-product pairs once per tile (transposed for q @ k^T, interleaved for
 // P @ V) and kept in a buffer that every 16-row block of the chunk reads. Sums per lane run in
 // the same order as the per-tile helpers (each row's pairs in order): the same results.
@@ -197,7 +197,7 @@ FLEXPAGE_DOT_TARGET static inline void rows16(const uint16_t* a, const __m512i* 
   start_rows<1, 16, accum>(acc, C, ldc, cols);
   for (int64_t p = 0; p < pairs; ++p) {
     const __m512i b = _mm512_load_si512(bt + p);
-    for (int64_t m = 0; m < 16; ++m) {  // the broadcast pair is the memory operand (embedded broadcast)
+    for (int64_t m = 0; m < 16; ++m) {  // each row's pair broadcast from a constant offset of a
       acc[0][m] = _mm512_dpbf16_ps(acc[0][m], (__m512bh)b, (__m512bh)_mm512_set1_epi32(pair_at(a + m * KS + 2 * p)));
     }
   }
