@@ -210,9 +210,12 @@ constexpr int64_t chunk_rows() {
   return KS <= 64 ? 64 : (KS <= 128 ? 32 : 16);
 }
 
-template <int64_t KS, bool accum>
-FLEXPAGE_DOT_TARGET void qk_rows_at(const uint16_t* A, const uint16_t* B, float* C, int64_t M, int64_t N,
-                                    int64_t K, int64_t lda, int64_t ldb, int64_t ldc) {
+// the shared loop: A's rows in chunks copied at stride KS; for each 16-column tile of the
+// product, ``rearrange(n, width, cols, bt)`` puts B's pairs for columns [n, n + width) in bt,
+// which every 16-row block of the chunk then reads
+template <int64_t KS, bool accum, typename Rearrange>
+FLEXPAGE_DOT_TARGET void rows_at(const uint16_t* A, float* C, int64_t M, int64_t N, int64_t K, int64_t lda,
+                                 int64_t ldc, int64_t pairs, Rearrange rearrange) {
   alignas(64) uint16_t a[chunk_rows<KS>() * KS];
   alignas(64) __m512i bt[KS / 2];
   for (int64_t m0 = 0; m0 < M; m0 += chunk_rows<KS>()) {
@@ -221,50 +224,50 @@ FLEXPAGE_DOT_TARGET void qk_rows_at(const uint16_t* A, const uint16_t* B, float*
     for (int64_t n = 0; n < N; n += 16) {
       const int64_t width = std::min<int64_t>(16, N - n);
       const __mmask16 cols = width >= 16 ? __mmask16(0xffff) : __mmask16((1u << width) - 1);
-      for (int64_t k = 0; k < K; k += 32) {
-        __m512i tile[16];
-        for (int64_t c = 0; c < 16; ++c) {
-          tile[c] = c < width ? _mm512_loadu_si512(B + (n + c) * ldb + k) : _mm512_setzero_si512();
-        }
-        transpose16(tile);
-        for (int64_t w = 0; w < 16; ++w) {
-          _mm512_store_si512(bt + k / 2 + w, tile[w]);
-        }
-      }
+      rearrange(n, width, cols, bt);
       for (int64_t m = 0; m < rows; m += 16) {
-        rows16<KS, accum>(a + m * KS, bt, K / 2, C + (m0 + m) * ldc + n, ldc, cols);
+        rows16<KS, accum>(a + m * KS, bt, pairs, C + (m0 + m) * ldc + n, ldc, cols);
       }
     }
   }
 }
 
+// q @ k^T: each key tile transposed as 32-bit pairs (bt[p] lane c: pair p of key n + c)
+template <int64_t KS, bool accum>
+FLEXPAGE_DOT_TARGET void qk_rows_at(const uint16_t* A, const uint16_t* B, float* C, int64_t M, int64_t N,
+                                    int64_t K, int64_t lda, int64_t ldb, int64_t ldc) {
+  rows_at<KS, accum>(A, C, M, N, K, lda, ldc, K / 2,
+                     [&](int64_t n, int64_t width, __mmask16, __m512i* bt) FLEXPAGE_DOT_TARGET {
+    for (int64_t k = 0; k < K; k += 32) {
+      __m512i tile[16];
+      for (int64_t c = 0; c < 16; ++c) {
+        tile[c] = c < width ? _mm512_loadu_si512(B + (n + c) * ldb + k) : _mm512_setzero_si512();
+      }
+      transpose16(tile);
+      for (int64_t w = 0; w < 16; ++w) {
+        _mm512_store_si512(bt + k / 2 + w, tile[w]);
+      }
+    }
+  });
+}
+
+// P @ V: value rows interleaved in pairs (bt[p] lane c: rows 2p and 2p + 1 of column n + c)
 template <int64_t KS, bool accum>
 FLEXPAGE_DOT_TARGET void pv_rows_at(const uint16_t* A, const uint16_t* B, float* C, int64_t M, int64_t N,
                                     int64_t K, int64_t lda, int64_t ldb, int64_t ldc) {
   const __m512i interleave = _mm512_set_epi16(
       31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  alignas(64) uint16_t a[chunk_rows<KS>() * KS];
-  alignas(64) __m512i bt[KS / 2];
-  const int64_t pairs = (K + 1) / 2;
-  for (int64_t m0 = 0; m0 < M; m0 += chunk_rows<KS>()) {
-    const int64_t rows = std::min<int64_t>(chunk_rows<KS>(), M - m0);
-    copy_rows<KS>(A + m0 * lda, lda, rows, K, a);
-    for (int64_t n = 0; n < N; n += 16) {
-      const int64_t width = std::min<int64_t>(16, N - n);
-      const __mmask16 cols = width >= 16 ? __mmask16(0xffff) : __mmask16((1u << width) - 1);
-      for (int64_t p = 0; p < K / 2; ++p) {
-        bt[p] = row_pair(B + 2 * p * ldb + n, ldb, cols, interleave);
-      }
-      if (K & 1) {  // an odd last row pairs with zeros
-        const __m256i r0 = _mm256_maskz_loadu_epi16(cols, B + (K - 1) * ldb + n);
-        bt[K / 2] = _mm512_permutexvar_epi16(interleave, _mm512_zextsi256_si512(r0));
-      }
-      for (int64_t m = 0; m < rows; m += 16) {
-        rows16<KS, accum>(a + m * KS, bt, pairs, C + (m0 + m) * ldc + n, ldc, cols);
-      }
+  rows_at<KS, accum>(A, C, M, N, K, lda, ldc, (K + 1) / 2,
+                     [&](int64_t n, int64_t, __mmask16 cols, __m512i* bt) FLEXPAGE_DOT_TARGET {
+    for (int64_t p = 0; p < K / 2; ++p) {
+      bt[p] = row_pair(B + 2 * p * ldb + n, ldb, cols, interleave);
     }
-  }
+    if (K & 1) {  // an odd last row pairs with zeros
+      const __m256i r0 = _mm256_maskz_loadu_epi16(cols, B + (K - 1) * ldb + n);
+      bt[K / 2] = _mm512_permutexvar_epi16(interleave, _mm512_zextsi256_si512(r0));
+    }
+  });
 }
 
 // the first M - M % 16 rows of the per-tile helpers' products (K % 32 == 0 for q @ k^T); false
