@@ -117,11 +117,24 @@ FLEXPAGE_DOT_TARGET void qk(const uint16_t* A, const uint16_t* B, float* C, int6
   store_rows<S, BLOCK_M>(acc, C, ldc, cols);
 }
 
+// the permutation of [row | row] (two 16-column rows side by side) that puts element i of the
+// first row beside element i of the second
+FLEXPAGE_DOT_TARGET static inline __m512i pair_interleave() {
+  return _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+}
+
 // lane i: (row 0, column i), (row 1, column i) of the two rows at B, columns in ``cols``
 FLEXPAGE_DOT_TARGET static inline __m512i row_pair(const uint16_t* B, int64_t ldb, __mmask16 cols, __m512i interleave) {
   const __m256i r0 = _mm256_maskz_loadu_epi16(cols, B);
   const __m256i r1 = _mm256_maskz_loadu_epi16(cols, B + ldb);
   return _mm512_permutexvar_epi16(interleave, _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1));
+}
+
+// an odd last row at B paired with zeros (lane i: (row, column i), 0)
+FLEXPAGE_DOT_TARGET static inline __m512i last_row_pair(const uint16_t* B, __mmask16 cols, __m512i interleave) {
+  return _mm512_permutexvar_epi16(interleave, _mm512_zextsi256_si512(_mm256_maskz_loadu_epi16(cols, B)));
 }
 
 // C[m, 0:N] (+)= sum_k A[m, k] * B[k, n] for BLOCK_M rows, N <= 16 columns, any K
@@ -130,10 +143,7 @@ FLEXPAGE_DOT_TARGET void pv(const uint16_t* A, const uint16_t* B, float* C, int6
                             int64_t lda, int64_t ldb, int64_t ldc) {
   constexpr int64_t S = chains<BLOCK_M>();
   const __mmask16 cols = N >= 16 ? __mmask16(0xffff) : __mmask16((1u << N) - 1);
-  // lane i of a row pair: element i of the first row, element i of the second ([row | row])
-  const __m512i interleave = _mm512_set_epi16(
-      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i interleave = pair_interleave();
   __m512 acc[S][BLOCK_M];
   start_rows<S, BLOCK_M, accum>(acc, C, ldc, cols);
   int64_t k = 0;
@@ -154,8 +164,7 @@ FLEXPAGE_DOT_TARGET void pv(const uint16_t* A, const uint16_t* B, float* C, int6
     }
   }
   if (k < K) {  // an odd last row pairs with zeros (and A's next element is never read)
-    const __m256i r0 = _mm256_maskz_loadu_epi16(cols, B + k * ldb);
-    const __m512i b = _mm512_permutexvar_epi16(interleave, _mm512_zextsi256_si512(r0));  // partner lanes 0
+    const __m512i b = last_row_pair(B + k * ldb, cols, interleave);
     for (int64_t m = 0; m < BLOCK_M; ++m) {
       const __m512i a = _mm512_set1_epi32(static_cast<int32_t>(A[m * lda + k]));
       acc[0][m] = _mm512_dpbf16_ps(acc[0][m], (__m512bh)a, (__m512bh)b);
@@ -255,17 +264,14 @@ FLEXPAGE_DOT_TARGET void qk_rows_at(const uint16_t* A, const uint16_t* B, float*
 template <int64_t KS, bool accum>
 FLEXPAGE_DOT_TARGET void pv_rows_at(const uint16_t* A, const uint16_t* B, float* C, int64_t M, int64_t N,
                                     int64_t K, int64_t lda, int64_t ldb, int64_t ldc) {
-  const __m512i interleave = _mm512_set_epi16(
-      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i interleave = pair_interleave();
   rows_at<KS, accum>(A, C, M, N, K, lda, ldc, (K + 1) / 2,
                      [&](int64_t n, int64_t, __mmask16 cols, __m512i* bt) FLEXPAGE_DOT_TARGET {
     for (int64_t p = 0; p < K / 2; ++p) {
       bt[p] = row_pair(B + 2 * p * ldb + n, ldb, cols, interleave);
     }
-    if (K & 1) {  // an odd last row pairs with zeros
-      const __m256i r0 = _mm256_maskz_loadu_epi16(cols, B + (K - 1) * ldb + n);
-      bt[K / 2] = _mm512_permutexvar_epi16(interleave, _mm512_zextsi256_si512(r0));
+    if (K & 1) {
+      bt[K / 2] = last_row_pair(B + (K - 1) * ldb + n, cols, interleave);
     }
   });
 }
