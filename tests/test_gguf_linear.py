@@ -3,9 +3,11 @@
 * The blocks expand to the weights GGUF's own dequantisation gives, and the kernel computes
   ``x @ W.T + bias`` with them to float32 rounding (against float64), for any row count.
 * A projection given blocks keeps the blocks only (no float32 weight) and computes from them;
-  an embedding kept as blocks gives exactly its table's rows. A bf16 projection packed for
-  oneDNN keeps both, and computes up to ``MAX_BLOCK_ROWS`` rows from the blocks (float32,
-  rounded), more from the packed weight: eagerly and in a compiled graph, the same bits.
+  an embedding kept as blocks gives exactly its table's rows. bf16 rows computed from the
+  blocks see exactly the bf16 model's weights (on the bf16 panels) and match float64 to bf16
+  rounding. Where the blocks do not serve every row count in bf16, a bf16 projection packed
+  for oneDNN keeps both and computes up to ``MAX_BLOCK_ROWS`` rows from the blocks, more from
+  the packed weight: eagerly and in a compiled graph, the same bits.
 * The tensor table is read as ``gguf.GGUFReader`` reads it (without its metadata values).
 * :func:`gguf_blocks` returns a model's blocks only where they expand to exactly its float32
   weights (or round to exactly its bf16 ones), undoing llama.cpp's q/k row permutation; a
@@ -108,27 +110,63 @@ def test_a_projection_with_blocks_keeps_only_the_blocks():
     assert PackedLinear(weight, bias, prepack=False, blocks=linear.blocks).blocks is None
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 64), (96, 2048), (37, 64), (130, 32)])
+def test_bf16_rows_see_exactly_the_bf16_models_weights(kind, out_features, in_features):
+    """One-hot rows pick single weights, so each output is one weight plus its bias, rounded once:
+    on the bf16 panels (AVX512-BF16, outputs a multiple of 32) the weights are the bf16 model's
+    own, each in its place; elsewhere bf16 rows run in float32 from the unrounded weights."""
+    raw = _blocks(kind, out_features, in_features)
+    weight, bias = gguf_linear.expand(kind, raw), torch.randn(out_features).bfloat16()
+    x = torch.eye(in_features).bfloat16()
+    out = gguf_linear.block_linear(x, gguf_linear.repack(kind, raw), bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (in_features, out_features)
+    panels = torch.ops.flexpage.has_bf16_panels() and out_features % 32 == 0
+    seen = weight.bfloat16().float() if panels else weight
+    assert torch.equal(out, (seen.T + bias.float()).bfloat16())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 12, 13, 25, 100])
+def test_bf16_rows_match_float64_to_bf16_rounding(kind, rows):
+    """1-2 rows in float32 then rounded; more on the bf16 panels (tiles of 12 rows and a tail)."""
+    raw = _blocks(kind, 96, 256, seed=rows)
+    weight = gguf_linear.expand(kind, raw).bfloat16().double()
+    x, bias = torch.randn(rows, 256).bfloat16(), torch.randn(96).bfloat16()
+    out = gguf_linear.block_linear(x, gguf_linear.repack(kind, raw), bias)
+    expected = x.double() @ weight.T + bias.double()
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
+    torch.testing.assert_close(out.double(), expected, rtol=2**-7, atol=2**-8 * expected.abs().max().item())
+
+
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 kernels on this CPU")
-def test_a_bf16_projection_reads_its_blocks_for_a_few_rows_and_its_packed_weight_for_more():
-    """The few rows of a small decode batch are memory-bound: the blocks are ~40% of bf16's
-    bytes. Beyond ``MAX_BLOCK_ROWS`` the packed bf16 weight runs (compute-bound)."""
+def test_a_bf16_projection_keeps_a_packed_weight_only_where_the_blocks_do_not_serve_every_row():
+    """Where the blocks serve every row count (bf16 panels, no AMX) a bf16 projection keeps its
+    blocks only. Elsewhere it keeps oneDNN's packed weight too: the few rows of a small decode
+    batch are memory-bound and read the blocks (~40% of bf16's bytes), and from
+    ``MAX_BLOCK_ROWS`` on the packed weight runs (AMX tiles), eagerly and compiled alike."""
     from flexpage.model.packed_linear import PackedLinear
 
-    raw = _blocks("Q4_1", 48, 64)
-    weight, bias = gguf_linear.expand("Q4_1", raw).bfloat16(), torch.randn(48).bfloat16()
-    linear = PackedLinear(weight, bias, blocks=gguf_linear.repack("Q4_1", raw))
-    assert linear.blocks is not None and linear.packed and linear.weight.is_mkldnn and linear.owns_weight
+    raw = _blocks("Q4_1", 64, 64)
+    weight, bias = gguf_linear.expand("Q4_1", raw).bfloat16(), torch.randn(64).bfloat16()
+    blocks = gguf_linear.repack("Q4_1", raw)
+    linear = PackedLinear(weight, bias, blocks=blocks)
+    blocks_only = gguf_linear.blocks_at_every_row(torch.bfloat16)
+    assert linear.blocks is not None and linear.owns_weight and linear.packed is not blocks_only
+    assert (linear.weight is None) is blocks_only
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
     compiled = torch.compile(gguf_linear.block_or_packed_linear, dynamic=True, fullgraph=True)
     for rows in (1, 2, gguf_linear.MAX_BLOCK_ROWS, gguf_linear.MAX_BLOCK_ROWS + 1, 16):
         x = torch.randn(rows, 64).bfloat16()
-        if rows <= gguf_linear.MAX_BLOCK_ROWS:
-            expected = gguf_linear.block_linear(x.float(), linear.blocks, bias.float()).bfloat16()
-        else:
-            expected = torch.ops.mkldnn._linear_pointwise(x, linear.weight, bias, "none", [], "")
-        assert torch.equal(linear(x), expected), rows
-        assert torch.equal(compiled(x, linear.blocks, linear.weight, bias), expected), rows
+        from_blocks = gguf_linear.block_linear(x, blocks, bias)
+        assert torch.equal(linear(x), from_blocks if blocks_only or rows <= gguf_linear.MAX_BLOCK_ROWS
+                           else torch.ops.mkldnn._linear_pointwise(x, linear.weight, bias, "none", [], "")), rows
+        expected = (from_blocks if rows <= gguf_linear.MAX_BLOCK_ROWS
+                    else torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""))
+        assert torch.equal(gguf_linear.block_or_packed_linear(x, blocks, packed, bias), expected), rows
+        assert torch.equal(compiled(x, blocks, packed, bias), expected), rows
     # without oneDNN's bf16 packing (prepack=False) a bf16 layer keeps its weight only
-    assert PackedLinear(weight, bias, prepack=False, blocks=linear.blocks).blocks is None
+    assert PackedLinear(weight, bias, prepack=False, blocks=blocks).blocks is None
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -141,7 +179,7 @@ def test_embedding_rows_from_blocks_are_the_tables_rows_exactly(kind):
 
 def test_bad_inputs_are_refused_naming_what_is_wrong():
     blocks = gguf_linear.repack("Q4_1", _blocks("Q4_1", 8, 64))
-    with pytest.raises(RuntimeError, match="x must be float32"):
+    with pytest.raises(RuntimeError, match="x must be float32 or bfloat16, got Double"):
         gguf_linear.block_linear(torch.randn(2, 64, dtype=torch.float64), blocks)
     with pytest.raises(RuntimeError, match=r"x has 96 features; blocks of 48 bytes per row hold 64 \(Q4_1\)"):
         gguf_linear.block_linear(torch.randn(2, 96), blocks)
@@ -256,9 +294,10 @@ def test_the_next_engine_loads_the_compiled_steps_the_first_saved(tiny_gguf, tin
 @pytest.mark.usefixtures("single_torch_thread")
 def test_a_bf16_models_compiled_steps_give_the_layer_by_layer_logits_from_blocks_and_packed_weights(
         tiny_gguf, tiny_gguf_folder):
-    """Two decode rows read the blocks, a prefill and six decode rows the packed bf16 weights:
-    one graph per kind of step serves both (rows are padded to at least two, not to a bucket).
-    The compiled graph rounds fused elementwise ops once, eager code after every op."""
+    """Two decode rows read the blocks, a prefill and six decode rows the packed bf16 weights
+    where the model keeps both (else the blocks too): one graph per kind of step serves both
+    (rows are padded to at least two, not to a bucket). The compiled graph rounds fused
+    elementwise ops once, eager code after every op."""
     from test_compiled_step import _both_ways
 
     from flexpage.model.loader import load_hf_model
@@ -267,7 +306,8 @@ def test_a_bf16_models_compiled_steps_give_the_layer_by_layer_logits_from_blocks
     runner = ModelRunner(load_hf_model(tiny_gguf_folder, torch.bfloat16), num_blocks=64, block_size=8, compile=True,
                          blocks_per_attention_block=2, gguf_path=str(tiny_gguf))
     qkv = runner.compact.layers[0].qkv
-    assert qkv.blocks is not None and qkv.packed and runner.compiled_step._padded_rows(1) == 2
+    assert qkv.blocks is not None and qkv.packed is not gguf_linear.blocks_at_every_row(torch.bfloat16)
+    assert runner.compiled_step._padded_rows(1) == 2
     tables = [[4 * i + j + 1 for j in range(4)] for i in range(6)]
     prompts = random_prompts([9, 20, 7, 11, 5, 13], seed=6)
     steps = [

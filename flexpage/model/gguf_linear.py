@@ -12,10 +12,18 @@ EPYC Zen 3 (AVX2), one forward's projections and LM head (``python -m bench.gguf
 took 9-13 vs 27-35 ms through oneDNN's packed float32 at 1 row, 14 vs 35 at 4, 38-44 vs 45-51
 at 12, 42 vs 52 at 16, 97-107 vs 115-122 at 48, 159-181 vs 195-203 at 96, 277 vs 328 at 128,
 and within +-5% of oneDNN (either way, between runs) from 160 rows to 1,024. So a projection
-with blocks keeps no float32 copy (:class:`~flexpage.model.packed_linear.PackedLinear`). A bf16
-model keeps its packed bf16 weights too and reads the blocks for up to :data:`MAX_BLOCK_ROWS`
-rows only (:func:`block_or_packed_linear`): bf16 runs at twice float32's rate once the rows
-make it compute-bound.
+with blocks keeps no float32 copy (:class:`~flexpage.model.packed_linear.PackedLinear`).
+
+bf16 inputs: on CPUs with AVX512-BF16 the op expands 32 output rows at a time into a bf16
+panel (the model's bf16 weights, rounded from the blocks exactly as they were) and multiplies
+12 input rows at a time with vdpbf16ps, prefetching the next panel's blocks as it goes: on the
+2-core AMD EPYC Zen 5, 30 layers of projections from memory took 0.70-0.85x the time of
+oneDNN's packed bf16 from 4 to 256 rows and 0.92-0.96x at 512-1,024 (a third of the bytes, and
+both threads given equal shares of the outputs). So where :func:`blocks_at_every_row` says so,
+a bf16 projection keeps its blocks only, like float32. Elsewhere -- Intel CPUs with AMX, whose
+oneDNN bf16 tiles this kernel does not use, unmeasured here -- a bf16 model keeps its packed
+bf16 weights too and reads the blocks for up to :data:`MAX_BLOCK_ROWS` rows only
+(:func:`block_or_packed_linear`).
 
 The blocks expand to exactly the float32 weights the model was loaded with (``d * q [+ m]``
 with ``d * q`` exact), which :func:`gguf_blocks` checks for every weight before using it:
@@ -41,7 +49,7 @@ from torch import Tensor
 from flexpage.model.dtypes import cpu_flags
 from flexpage.model.gguf_file import gguf_tensors
 
-__all__ = ["MAX_BLOCK_ROWS", "available", "block_linear", "block_or_packed_linear", "embedding", "expand", "gguf_blocks",
+__all__ = ["MAX_BLOCK_ROWS", "available", "block_linear", "blocks_at_every_row", "block_or_packed_linear", "embedding", "expand", "gguf_blocks",
            "repack"]
 
 log = logging.getLogger(__name__)
@@ -89,6 +97,18 @@ def available() -> bool:
     return True
 
 
+def blocks_at_every_row(dtype: torch.dtype) -> bool:
+    """True where a projection of ``dtype`` computes every row count from its blocks, keeping no
+    weight beside them: float32 wherever the kernel is built; bf16 where the CPU has AVX512-BF16
+    (the kernel's bf16 panels) and no AMX (whose oneDNN tiles outrun them once rows are many)."""
+    if not available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return (dtype == torch.bfloat16 and torch.ops.flexpage.has_bf16_panels()
+            and "amx_bf16" not in cpu_flags())
+
+
 def _put_ninja_on_path() -> None:
     """The build runs ``ninja``: the one installed with flexpage (the ``ninja`` package) where the
     environment's scripts are not on ``PATH`` (a virtual environment used without activating it)."""
@@ -111,14 +131,15 @@ def _block_or_packed_linear_shape(x: Tensor, blocks: Tensor, packed: Tensor, bia
 
 
 def block_linear(x: Tensor, blocks: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``x @ W.T + bias`` (float32) for ``W`` given as the kernel's blocks (:func:`repack`), Q4_1
-    ``[out, in / 32 * 24]`` or Q8_0 ``[out, in / 32 * 36]``. Needs :func:`available`."""
+    """``x @ W.T + bias`` in ``x``'s dtype (float32 or bf16) for ``W`` given as the kernel's blocks
+    (:func:`repack`), Q4_1 ``[out, in / 32 * 24]`` or Q8_0 ``[out, in / 32 * 36]``. Needs
+    :func:`available`."""
     return torch.ops.flexpage.block_linear(x, blocks, bias)
 
 
 def block_or_packed_linear(x: Tensor, blocks: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x @ W.T + bias`` in ``x``'s dtype for ``W`` given twice: as the kernel's blocks, read for up
-    to :data:`MAX_BLOCK_ROWS` rows (in float32, rounded to ``x``'s dtype after), and packed for
+    to :data:`MAX_BLOCK_ROWS` rows (:func:`block_linear`), and packed for
     oneDNN (``packed``, ``x``'s dtype) for more. One operator that picks per call, so one compiled
     graph serves batch-1 decode and prefill alike. Needs :func:`available`."""
     return torch.ops.flexpage.block_or_packed_linear(x, blocks, packed, bias, MAX_BLOCK_ROWS)

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flexpage.model.gguf_linear import MAX_BLOCK_ROWS, block_linear
+from flexpage.model.gguf_linear import MAX_BLOCK_ROWS, block_linear, blocks_at_every_row
 
 __all__ = ["PackedLinear", "can_prepack", "padded_rows", "row_step", "tiled_linear", "tiled_rows"]
 
@@ -136,19 +136,21 @@ class PackedLinear:
     def __init__(self, weight: Tensor, bias: Tensor | None = None, *, prepack: bool = True,
                  row_tile: int | None = None, blocks: Tensor | None = None) -> None:
         """``blocks``: ``weight`` as GGUF blocks (:mod:`~flexpage.model.gguf_linear`), used where
-        packing is allowed and there is no row tile. A float32 layer keeps the blocks only and
-        ``weight`` is None: the block kernel reads a fifth of float32's bytes and is as fast as
-        oneDNN's packed float32 at every row count. A bf16 layer packed for oneDNN keeps both
-        and reads the blocks for up to ``MAX_BLOCK_ROWS`` rows only (batch-1 decode reads 40%
-        of bf16's bytes; with more rows bf16 is compute-bound and twice float32's rate)."""
+        packing is allowed and there is no row tile. Where the block kernel is as fast as oneDNN
+        at every row count (:func:`~flexpage.model.gguf_linear.blocks_at_every_row`: float32, and
+        bf16 on CPUs with AVX512-BF16 but no AMX) the layer keeps the blocks only and ``weight``
+        is None. Elsewhere a bf16 layer packed for oneDNN keeps both and reads the blocks for up
+        to ``MAX_BLOCK_ROWS`` rows only (batch-1 decode reads 40% of bf16's bytes)."""
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.row_tile = row_tile
-        self.row_step = row_step(weight.dtype)
         usable = prepack and row_tile is None and (
             weight.dtype == torch.float32 or weight.dtype == torch.bfloat16 and can_prepack(weight))
         self.blocks = blocks if usable else None
-        self.packed = (self.blocks is None or weight.dtype != torch.float32) and prepack and can_prepack(weight)
+        blocks_only = self.blocks is not None and blocks_at_every_row(weight.dtype)
+        # the block kernel's work grows with every row, as float32's does
+        self.row_step = row_step(torch.float32 if blocks_only else weight.dtype)
+        self.packed = not blocks_only and prepack and can_prepack(weight)
         self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT) if self.packed
                        else None if self.blocks is not None else weight)
 
@@ -161,8 +163,7 @@ class PackedLinear:
     def __call__(self, x: Tensor) -> Tensor:
         """``x``: ``[rows, in_features]`` -> ``[rows, out_features]``."""
         if self.blocks is not None and (self.weight is None or x.shape[0] <= MAX_BLOCK_ROWS):
-            bias = None if self.bias is None else self.bias.float()
-            return block_linear(x.float().contiguous(), self.blocks, bias).to(x.dtype)
+            return block_linear(x.contiguous(), self.blocks, self.bias)
         if self.row_tile is not None:
             return _tiled_linear(x, self.weight, self.bias, self.packed, self.row_tile)
         if not self.packed:

@@ -207,18 +207,158 @@ void output_panels(const float* x, int64_t rows, int64_t K, const uint8_t* block
   }
 }
 
-// x @ W.T + bias from the blocks, for any number of rows
-at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "block_linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "block_linear: x must be float32, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() == 2, "block_linear: x must be [rows, in_features], got ", x.sizes());
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
-              "block_linear: blocks must be a contiguous uint8 [out_features, bytes per row] tensor");
-  const int64_t K = x.size(1), N = blocks.size(0), rows = x.size(0), row_bytes = blocks.size(1);
-  const bool q4_1 = K % kBlock == 0 && row_bytes == K / kBlock * Q4_1::kBytes;
-  TORCH_CHECK(q4_1 || (K % kBlock == 0 && row_bytes == K / kBlock * Q8_0::kBytes), "block_linear: x has ", K,
-              " features; blocks of ", row_bytes, " bytes per row hold ", row_bytes / Q4_1::kBytes * kBlock,
-              " (Q4_1) or ", row_bytes / Q8_0::kBytes * kBlock, " (Q8_0)");
+// bfloat16 inputs (CPUs with AVX512-BF16): each thread expands the blocks of 32 output rows at a
+// time into a bf16 panel in vdpbf16ps's layout ([K / 2][32] pairs of weights along k, rounded to
+// nearest even exactly as the bf16 model's weights were) and multiplies 12 input rows at a time
+// with it (24 float32 accumulators). While it expands one panel it prefetches the next panel's
+// blocks, spread over the expansion (all at once, the prefetches stall on the CPU's miss queue):
+// the blocks stream from memory behind the arithmetic. On the 2-core AMD EPYC Zen 5, 30 layers of
+// SmolLM2's projections from memory took 0.70-0.85x the time of oneDNN's packed bf16 from 4 to
+// 256 rows (a third of the bytes, both threads given equal halves of the outputs) and 0.92-0.96x
+// at 512-1,024 rows; at 1-2 rows the float32 expansion per output row above is faster.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+namespace bf16 {
+
+constexpr int64_t kDotRows = 2;   // up to this many rows run in float32 (output_rows)
+constexpr int64_t kPanel = 32;    // output rows per panel: two vectors of 16 outputs
+constexpr int kTile = 12;         // input rows per register tile
+
+// One block's 32 weights as 16 pairs of bf16 (32-bit unit u holds k = 2u, 2u + 1)
+struct Q4_1 {
+  static constexpr int64_t kBytes = 24;
+  static inline __m512i pairs(const uint8_t* block) {
+    const float* scale = reinterpret_cast<const float*>(block);
+    const __m512 d = _mm512_set1_ps(scale[0]), m = _mm512_set1_ps(scale[1]);
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8));
+    const __m128i lo = _mm_and_si128(codes, low4), hi = _mm_and_si128(_mm_srli_epi16(codes, 4), low4);
+    const __m512 w0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), m);
+    const __m512 w1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), m);
+    return (__m512i)_mm512_cvtne2ps_pbh(w1, w0);
+  }
+};
+
+struct Q8_0 {
+  static constexpr int64_t kBytes = 36;
+  static inline __m512i pairs(const uint8_t* block) {
+    const __m512 d = _mm512_set1_ps(*reinterpret_cast<const float*>(block));
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 20));
+    const __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
+    const __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)));
+    return (__m512i)_mm512_cvtne2ps_pbh(w1, w0);
+  }
+};
+
+// r[j] = column j of the 16x16 matrix of 32-bit units whose rows were r[0..15]
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[4g + c], 128-bit lane L: column 4L + c of rows 4g..4g+3
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // gather lane L of r[c], r[4 + c], r[8 + c], r[12 + c] into column 4L + c
+    const __m512i u0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), u1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    const __m512i u2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+    const __m512i u3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+    t[4 + c] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
+    t[8 + c] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// panel[u * 32 + j] = weights k = 2u, 2u + 1 of output row j, for the 32 output rows whose blocks
+// start at `blocks`; prefetches the `next` panel's blocks (nullptr: none) a share per block
+template <typename Format>
+void expand_panel(const uint8_t* blocks, int64_t row_bytes, int64_t K, uint32_t* panel, const uint8_t* next) {
+  const int64_t count = K / kBlock, lines = kPanel * row_bytes / 64;
+  for (int64_t b = 0; b < count; ++b) {
+    if (next != nullptr)
+      for (int64_t line = b * lines / count; line < (b + 1) * lines / count; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(next) + 64 * line, _MM_HINT_T0);
+    for (int half = 0; half < 2; ++half) {
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j) r[j] = Format::pairs(blocks + (half * 16 + j) * row_bytes + b * Format::kBytes);
+      transpose16(r);
+      uint32_t* out = panel + b * 16 * kPanel + 16 * half;
+      for (int u = 0; u < 16; ++u) _mm512_storeu_si512(out + u * kPanel, r[u]);
+    }
+  }
+}
+
+// y[i * ldy + j] = bf16(sum_k x[i, k] * W[j, k] + bias[j]) for R input rows (`x` as pairs of bf16,
+// `pairs` per row) and the panel's 32 outputs (the tile must live in registers: unrolled, inlined)
+template <int R>
+__attribute__((always_inline)) inline void tile_times_panel(const uint32_t* x, int64_t pairs, const uint32_t* panel,
+                                                            const float* bias, at::BFloat16* y, int64_t ldy) {
+  __m512 acc[R][2];
+#pragma GCC unroll 12
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t u = 0; u < pairs; ++u, panel += kPanel) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel), w1 = (__m512bh)_mm512_loadu_si512(panel + 16);
+#pragma GCC unroll 12
+    for (int i = 0; i < R; ++i) {
+      const __m512bh xi = (__m512bh)_mm512_set1_epi32(x[i * pairs + u]);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xi, w0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xi, w1);
+    }
+  }
+  const __m512 b0 = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias != nullptr ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+#pragma GCC unroll 12
+  for (int i = 0; i < R; ++i)
+    _mm512_storeu_si512(y + i * ldy, (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(acc[i][1], b1), _mm512_add_ps(acc[i][0], b0)));
+}
+
+template <int R>
+inline void tile_rows(const uint32_t* x, int64_t pairs, const uint32_t* panel, const float* bias, at::BFloat16* y,
+                      int64_t ldy, int64_t rows) {
+  if constexpr (R > 0) {
+    if (rows == R) return tile_times_panel<R>(x, pairs, panel, bias, y, ldy);
+    tile_rows<R - 1>(x, pairs, panel, bias, y, ldy, rows);
+  }
+}
+
+// Output rows [32 * begin, 32 * end) of y = x @ W.T + bias for all input rows, one panel at a time
+template <typename Format>
+void output_panels(const uint32_t* x, int64_t rows, int64_t K, const uint8_t* blocks, const float* bias,
+                   at::BFloat16* y, int64_t N, int64_t begin, int64_t end) {
+  const int64_t row_bytes = K / kBlock * Format::kBytes, pairs = K / 2, panel_bytes = kPanel * row_bytes;
+  std::vector<uint32_t> panel(pairs * kPanel);
+  for (int64_t p = begin; p < end; ++p) {
+    expand_panel<Format>(blocks + p * panel_bytes, row_bytes, K, panel.data(),
+                         p + 1 < end ? blocks + (p + 1) * panel_bytes : nullptr);
+    const float* panel_bias = bias != nullptr ? bias + p * kPanel : nullptr;
+    for (int64_t i = 0; i < rows; i += kTile)
+      tile_rows<kTile>(x + i * pairs, pairs, panel.data(), panel_bias, y + i * N + p * kPanel, N,
+                       std::min<int64_t>(kTile, rows - i));
+  }
+}
+
+}  // namespace bf16
+#pragma GCC pop_options
+
+// True where this CPU runs the bf16 panels (AVX512-BF16)
+bool has_bf16_panels() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+// x @ W.T + bias in float32, x validated
+at::Tensor float_block_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
+                              bool q4_1) {
+  const int64_t K = x.size(1), N = blocks.size(0), rows = x.size(0);
   const at::Tensor input = x.contiguous();
   at::Tensor out = at::empty({rows, N}, x.options());
   if (rows == 0 || N == 0) return out;
@@ -244,6 +384,51 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std
   }
   if (bias.has_value() && bias->defined()) out.add_(*bias);
   return out;
+}
+
+// x @ W.T + bias in bf16 on the bf16 panels, x validated
+at::Tensor bf16_block_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
+                             bool q4_1) {
+  const int64_t K = x.size(1), N = blocks.size(0), rows = x.size(0);
+  const at::Tensor input = x.contiguous();
+  at::Tensor bias32;
+  if (bias.has_value() && bias->defined()) bias32 = bias->to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({rows, N}, x.options());
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(input.data_ptr<at::BFloat16>());  // pairs along k
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  const float* biasp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  at::BFloat16* yp = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, N / bf16::kPanel, 1, [&](int64_t begin, int64_t end) {
+    if (q4_1) {
+      bf16::output_panels<bf16::Q4_1>(xp, rows, K, bp, biasp, yp, N, begin, end);
+    } else {
+      bf16::output_panels<bf16::Q8_0>(xp, rows, K, bp, biasp, yp, N, begin, end);
+    }
+  });
+  return out;
+}
+
+// x @ W.T + bias from the blocks, for any number of rows, in x's dtype: float32, or bf16 (on the
+// bf16 panels where the CPU has AVX512-BF16 and there are more than bf16::kDotRows rows, else in
+// float32 and rounded)
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "block_linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "block_linear: x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, "block_linear: x must be [rows, in_features], got ", x.sizes());
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "block_linear: blocks must be a contiguous uint8 [out_features, bytes per row] tensor");
+  const int64_t K = x.size(1), N = blocks.size(0), rows = x.size(0), row_bytes = blocks.size(1);
+  const bool q4_1 = K % kBlock == 0 && row_bytes == K / kBlock * Q4_1::kBytes;
+  TORCH_CHECK(q4_1 || (K % kBlock == 0 && row_bytes == K / kBlock * Q8_0::kBytes), "block_linear: x has ", K,
+              " features; blocks of ", row_bytes, " bytes per row hold ", row_bytes / Q4_1::kBytes * kBlock,
+              " (Q4_1) or ", row_bytes / Q8_0::kBytes * kBlock, " (Q8_0)");
+  if (x.scalar_type() == at::kFloat) return float_block_linear(x, blocks, bias, q4_1);
+  if (has_bf16_panels() && rows > bf16::kDotRows && N % bf16::kPanel == 0)
+    return bf16_block_linear(x, blocks, bias, q4_1);
+  std::optional<at::Tensor> bias32;
+  if (bias.has_value() && bias->defined()) bias32 = bias->to(at::kFloat);
+  return float_block_linear(x.to(at::kFloat), blocks, bias32, q4_1).to(at::kBFloat16);
 }
 
 // True where `blocks` (the kernel's layout) expand to exactly `weight` [N, K]: float32 values
@@ -308,11 +493,7 @@ bool blocks_match(const at::Tensor& blocks, const at::Tensor& weight) {
 // bf16 runs at twice float32's rate). One operator, so that one compiled graph serves both.
 at::Tensor block_or_packed_linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& packed,
                                   const std::optional<at::Tensor>& bias, int64_t max_block_rows) {
-  if (x.size(0) <= max_block_rows) {
-    std::optional<at::Tensor> bias32;
-    if (bias.has_value() && bias->defined()) bias32 = bias->to(at::kFloat);
-    return block_linear(x.to(at::kFloat), blocks, bias32).to(x.scalar_type());
-  }
+  if (x.size(0) <= max_block_rows) return block_linear(x, blocks, bias);
   static const auto linear = c10::Dispatcher::singleton()
       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
@@ -326,12 +507,17 @@ TORCH_LIBRARY_FRAGMENT(flexpage, m) {
   m.def("block_linear(Tensor x, Tensor blocks, Tensor? bias) -> Tensor");
   m.def("block_or_packed_linear(Tensor x, Tensor blocks, Tensor packed, Tensor? bias, int max_block_rows) -> Tensor");
   m.def("blocks_match(Tensor blocks, Tensor weight) -> bool");
+  m.def("has_bf16_panels() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(flexpage, CPU, m) {
   m.impl("block_linear", &block_linear);
   m.impl("block_or_packed_linear", &block_or_packed_linear);
   m.impl("blocks_match", &blocks_match);
+}
+
+TORCH_LIBRARY_IMPL(flexpage, CompositeExplicitAutograd, m) {
+  m.impl("has_bf16_panels", &has_bf16_panels);
 }
 
 TORCH_LIBRARY_IMPL(flexpage, MkldnnCPU, m) {  // `packed` is a oneDNN tensor
