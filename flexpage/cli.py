@@ -152,8 +152,9 @@ def serve(
     kv_resident_bytes: Optional[str] = typer.Option(None, help="With --kv-layout virtual: KV memory in use at once, "
                                                                "e.g. 2GiB [default: --kv-cache-memory]."),
     quantization: str = typer.Option("auto", help="auto (a GGUF model's Q4_1/Q8_0 weights are computed from their "
-                                                  "blocks: in float32 always, in bf16 for steps of up to 4 rows) | "
-                                                  "none (the model's weights only)."),
+                                                  "blocks: in float32 always, in bf16 where the CPU has AVX512-BF16) | "
+                                                  "none (the model's weights only) | int8 (projections and LM head "
+                                                  "quantised to int8 per output channel)."),
     tensor_parallel_size: int = typer.Option(1, help="Ranks that each hold 1/N of every layer and of the KV heads "
                                                      "(spawned on this host; or start ranks with torchrun -m "
                                                      "flexpage.worker, see docs/scaling.md)."),

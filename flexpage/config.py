@@ -61,7 +61,7 @@ def check_kv_budget(name: str, budget: object, block_size: int, deterministic: b
 #: ``EngineConfig.model_impl`` values (vLLM's ``--model-impl``)
 MODEL_IMPLS = ("auto", "flexpage", "transformers")
 #: EngineConfig.quantization values
-QUANTIZATIONS = ("auto", "none")
+QUANTIZATIONS = ("auto", "none", "int8")
 
 
 @dataclass(slots=True)
@@ -127,7 +127,9 @@ class EngineConfig:
     tensor_parallel_timeout: float = 120.0
     # "auto": a GGUF model's Q4_1/Q8_0 projections and LM head are computed from their blocks
     # (flexpage.model.gguf_linear; same weights, a fifth of float32's bytes): always in float32,
-    # for steps of up to 4 rows in bf16; "none": the model's weights only
+    # in bf16 too where the CPU has AVX512-BF16 (on AMX CPUs for steps of up to 4 rows); "none":
+    # the model's weights only; "int8": any Llama-family model's projections and LM head
+    # quantised to int8 per output channel (flexpage.model.int8_weights), computed by the same kernel
     quantization: str = "auto"
 
     def __post_init__(self) -> None:
@@ -172,6 +174,13 @@ class EngineConfig:
         self._check_tensor_parallel()
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: got {self.quantization!r}, expected one of {QUANTIZATIONS}")
+        if self.quantization == "int8":
+            for name, unsupported in (("deterministic", self.deterministic),
+                                      ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
+                                      ("model_impl='transformers'", self.model_impl == "transformers")):
+                if unsupported:
+                    raise ValueError(f"quantization: 'int8' runs on the compact forward in one process, "
+                                     f"not with {name}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode: got {self.preemption_mode!r}, expected 'recompute' or 'swap'")
 

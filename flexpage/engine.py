@@ -129,7 +129,8 @@ class LLMEngine:
                              blocks_per_attention_block=run_length, model_impl=config.model_impl,
                              deterministic=config.deterministic, compile_step=config.compile_step,
                              kv_layout=config.kv_layout,
-                             gguf_path=None if gguf is None else str(gguf))
+                             gguf_path=None if gguf is None else str(gguf),
+                             int8_weights=config.quantization == "int8")
         #: rank 0's runner of a tensor-parallel group (it keeps the other ranks in step), or the runner
         self.runner: ModelRunner | LeaderRunner
         if config.tensor_parallel_size > 1:

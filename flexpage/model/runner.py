@@ -54,6 +54,7 @@ from flexpage.core.layer_groups import LayerGroup, plan_layer_groups
 from flexpage.model import gguf_linear
 from flexpage.model.compact import CompactDecoder, supports
 from flexpage.model.compiled_step import CompiledStep
+from flexpage.model.int8_weights import int8_blocks
 from flexpage.model.layer_recipes import model_recipes, recipe_for
 from flexpage.model.packed_linear import tiled_rows
 from flexpage.model.sharding import shard_llama
@@ -190,7 +191,8 @@ class ModelRunner:
                  num_host_blocks: int = 0, blocks_per_attention_block: int = 1, model_impl: str = "auto",
                  recipes: Sequence[Recipe] | None = None, deterministic: bool = False,
                  compile_step: bool = True, kv_layout: str = "paged",
-                 parallel: TensorParallel | None = None, gguf_path: str | None = None) -> None:
+                 parallel: TensorParallel | None = None, gguf_path: str | None = None,
+                 int8_weights: bool = False) -> None:
         """``recipes``: one per decoder layer (:func:`~flexpage.model.layer_recipes.engine_recipes`);
         None: the model's own (:func:`~flexpage.model.layer_recipes.model_recipes`).
 
@@ -219,7 +221,11 @@ class ModelRunner:
         ``gguf_path``: the GGUF ``model`` was converted from. On the compact forward (not
         deterministic, one process), projections and the LM head it holds as Q4_1 or Q8_0 are
         computed from those blocks (:mod:`~flexpage.model.gguf_linear`): in float32 always, in
-        bf16 for steps of a few rows.
+        bf16 where the CPU has AVX512-BF16 (on AMX CPUs for steps of a few rows).
+
+        ``int8_weights``: quantise the projections and the LM head to int8 per output channel
+        (:mod:`~flexpage.model.int8_weights`) and compute them with the same kernel; needs the
+        compact forward, one process, not deterministic, and the kernel (x86 with AVX2).
         """
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl: got {model_impl!r}, expected one of {MODEL_IMPLS}")
@@ -259,9 +265,12 @@ class ModelRunner:
             heads_per_rank = num_heads // parallel.size
             self.layer_recipes = tuple(offset_heads(r, parallel.rank * heads_per_rank) for r in self.layer_recipes)
         compact = model_impl != "transformers" and supports(model)
-        blocks = (gguf_linear.gguf_blocks(gguf_path, model)
-                  if compact and gguf_path is not None and self.dtype in (torch.float32, torch.bfloat16)
-                  and row_tile is None and parallel is None and gguf_linear.available() else None)
+        if int8_weights:
+            blocks = self._int8_blocks(model, compact, row_tile, parallel)
+        else:
+            blocks = (gguf_linear.gguf_blocks(gguf_path, model)
+                      if compact and gguf_path is not None and self.dtype in (torch.float32, torch.bfloat16)
+                      and row_tile is None and parallel is None and gguf_linear.available() else None)
         self.compact = CompactDecoder(model, row_tile=row_tile, parallel=parallel, blocks=blocks) if compact else None
         if self.compact is None and row_tile is not None:
             _tile_linear_rows(model, row_tile)
@@ -298,6 +307,18 @@ class ModelRunner:
         self.host = torch.zeros(rows, num_host_blocks * block_size, head_dim, dtype=self.dtype)
 
     @torch.no_grad()
+
+    def _int8_blocks(self, model: torch.nn.Module, compact: bool, row_tile: int | None,
+                     parallel: TensorParallel | None) -> dict[str, Tensor]:
+        """``model``'s projections and LM head quantised to int8, as blocks by parameter name."""
+        needs = (("the compact forward (a Llama-family model, model_impl 'auto' or 'flexpage')", compact),
+                 ("one process", parallel is None), ("a non-deterministic engine", row_tile is None),
+                 ("float32 or bfloat16 weights", self.dtype in (torch.float32, torch.bfloat16)),
+                 ("the block kernel (x86 with AVX2/FMA/F16C and a C++ compiler)", gguf_linear.available()))
+        for what, met in needs:
+            if not met:
+                raise ValueError(f"quantization: 'int8' needs {what}")
+        return int8_blocks(model)
     def execute(self, inputs: StepInputs) -> Tensor:
         """Forward the flat batch; returns float32 logits ``[len(sample_rows), vocab]``."""
         step, token_ids, positions, sample_rows = self._step(inputs)
