@@ -41,6 +41,16 @@ def test_a_weight_quantises_per_output_row_within_half_a_step():
         quantize_int8(torch.randn(4, 48))
 
 
+def test_rows_quantised_a_chunk_at_a_time_give_the_same_blocks(monkeypatch):
+    from flexpage.model import int8_weights
+
+    weight = torch.randn(37, 64).bfloat16()
+    whole = quantize_int8(weight)
+    monkeypatch.setattr(int8_weights, "_CHUNK_WEIGHTS", 5 * 64)  # 8 chunks, the last of 2 rows
+    chunked = quantize_int8(weight.clone(), in_place=True)
+    assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1])
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_blocks_expand_to_exactly_the_quantised_weight(dtype):

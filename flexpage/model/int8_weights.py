@@ -27,21 +27,33 @@ __all__ = ["int8_blocks", "quantize_int8"]
 _BLOCK = 32
 
 
-def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+#: rows quantised at a time hold at most this many weights (bounds the float32 temporaries)
+_CHUNK_WEIGHTS = 1 << 22
+
+
+@torch.no_grad()
+def quantize_int8(weight: Tensor, *, in_place: bool = False) -> tuple[Tensor, Tensor]:
     """``weight`` ``[out, in]`` (``in`` a multiple of 32) as the kernel's Q8_0 blocks with one
-    scale per output row, and the weight they expand to in ``weight``'s dtype."""
+    scale per output row, and the weight they expand to in ``weight``'s dtype (``in_place``:
+    written over ``weight``, which is returned). Rows go a chunk at a time, so the float32
+    temporaries stay ~16 MB whatever the weight's size (an LM head of 128k rows is 1 GB in float32)."""
     rows, features = weight.shape
     if features % _BLOCK:
         raise ValueError(f"weight: {features} input features, expected a multiple of {_BLOCK}")
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1, keepdim=True) / 127
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row stays zero
-    codes = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
     blocks_per_row = features // _BLOCK
-    scales = scale.expand(rows, blocks_per_row).contiguous().view(torch.uint8).view(rows, blocks_per_row, 4)
-    blocks = torch.cat((scales, codes.view(torch.uint8).view(rows, blocks_per_row, _BLOCK)), dim=-1)
-    assert blocks.shape[-1] == BLOCK_BYTES["Q8_0"]
-    return blocks.reshape(rows, -1), (scale * codes.float()).to(weight.dtype)
+    blocks = torch.empty(rows, blocks_per_row, BLOCK_BYTES["Q8_0"], dtype=torch.uint8)
+    quantised = weight if in_place else torch.empty_like(weight)
+    step = max(1, _CHUNK_WEIGHTS // features)
+    for start in range(0, rows, step):
+        w = weight[start:start + step].detach().float()
+        scale = w.abs().amax(dim=1, keepdim=True) / 127
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row stays zero
+        codes = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+        chunk = blocks[start:start + step]
+        chunk[..., :4] = scale.expand(-1, blocks_per_row).contiguous().view(torch.uint8).view(-1, blocks_per_row, 4)
+        chunk[..., 4:] = codes.view(torch.uint8).view(-1, blocks_per_row, _BLOCK)
+        quantised[start:start + step] = scale * codes.float()
+    return blocks.view(rows, -1), quantised
 
 
 @torch.no_grad()
@@ -57,8 +69,7 @@ def int8_blocks(model: torch.nn.Module) -> dict[str, Tensor]:
         if (not isinstance(module, torch.nn.Linear) or weight is None or weight.is_meta
                 or weight.shape[1] % _BLOCK or id(weight) in done):
             continue
-        blocks, quantised = quantize_int8(weight)
-        weight.copy_(quantised)
+        blocks, _ = quantize_int8(weight, in_place=True)
         done.add(id(weight))
         found.update((name, blocks) for name, param in params.items() if param is weight)
     return found
