@@ -127,12 +127,14 @@ def test_bf16_rows_see_exactly_the_bf16_models_weights(kind, out_features, in_fe
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 12, 13, 25, 100])
-def test_bf16_rows_match_float64_to_bf16_rounding(kind, rows):
-    """1-2 rows in float32 then rounded; more on the bf16 panels (tiles of 12 rows and a tail)."""
-    raw = _blocks(kind, 96, 256, seed=rows)
+@pytest.mark.parametrize("in_features", [256, 96])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 12, 13, 25, 100])
+def test_bf16_rows_match_float64_to_bf16_rounding(kind, rows, in_features):
+    """Up to 4 rows in float32 then rounded (two blocks a step, and an odd block's tail); more on
+    the bf16 panels (tiles of 12 rows and a tail)."""
+    raw = _blocks(kind, 96, in_features, seed=rows)
     weight = gguf_linear.expand(kind, raw).bfloat16().double()
-    x, bias = torch.randn(rows, 256).bfloat16(), torch.randn(96).bfloat16()
+    x, bias = torch.randn(rows, in_features).bfloat16(), torch.randn(96).bfloat16()
     out = gguf_linear.block_linear(x, gguf_linear.repack(kind, raw), bias)
     expected = x.double() @ weight.T + bias.double()
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)

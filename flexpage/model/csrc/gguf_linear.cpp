@@ -215,41 +215,98 @@ void output_panels(const float* x, int64_t rows, int64_t K, const uint8_t* block
 // the blocks stream from memory behind the arithmetic. On the 2-core AMD EPYC Zen 5, 30 layers of
 // SmolLM2's projections from memory took 0.70-0.85x the time of oneDNN's packed bf16 from 4 to
 // 256 rows (a third of the bytes, both threads given equal halves of the outputs) and 0.92-0.96x
-// at 512-1,024 rows; at 1-2 rows the float32 expansion per output row above is faster.
+// at 512-1,024 rows. Up to 4 rows, expanding each output row's blocks in 16-wide float32 registers
+// is faster (bf16::output_rows; a forward's projections at 1 row: 3.1-3.4 vs 4.4 ms).
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 namespace bf16 {
 
-constexpr int64_t kDotRows = 2;   // up to this many rows run in float32 (output_rows)
+constexpr int64_t kDotRows = 4;   // up to this many rows run in float32 (output_rows)
 constexpr int64_t kPanel = 32;    // output rows per panel: two vectors of 16 outputs
 constexpr int kTile = 12;         // input rows per register tile
 
-// One block's 32 weights as 16 pairs of bf16 (32-bit unit u holds k = 2u, 2u + 1)
+// One block's 32 float32 weights as two vectors (k 0-15, 16-31), and as 16 pairs of bf16
+// (32-bit unit u holds k = 2u, 2u + 1; rounded to nearest even)
 struct Q4_1 {
   static constexpr int64_t kBytes = 24;
-  static inline __m512i pairs(const uint8_t* block) {
+  static inline void floats(const uint8_t* block, __m512& w0, __m512& w1) {
     const float* scale = reinterpret_cast<const float*>(block);
     const __m512 d = _mm512_set1_ps(scale[0]), m = _mm512_set1_ps(scale[1]);
     const __m128i low4 = _mm_set1_epi8(0x0f);
     const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8));
     const __m128i lo = _mm_and_si128(codes, low4), hi = _mm_and_si128(_mm_srli_epi16(codes, 4), low4);
-    const __m512 w0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), m);
-    const __m512 w1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), m);
+    w0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), m);
+    w1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), m);
+  }
+  static inline __m512i pairs(const uint8_t* block) {
+    __m512 w0, w1;
+    floats(block, w0, w1);
     return (__m512i)_mm512_cvtne2ps_pbh(w1, w0);
   }
 };
 
 struct Q8_0 {
   static constexpr int64_t kBytes = 36;
-  static inline __m512i pairs(const uint8_t* block) {
+  static inline void floats(const uint8_t* block, __m512& w0, __m512& w1) {
     const __m512 d = _mm512_set1_ps(*reinterpret_cast<const float*>(block));
     const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
     const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 20));
-    const __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
-    const __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)));
+    w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
+    w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)));
+  }
+  static inline __m512i pairs(const uint8_t* block) {
+    __m512 w0, w1;
+    floats(block, w0, w1);
     return (__m512i)_mm512_cvtne2ps_pbh(w1, w0);
   }
 };
+
+// y[i * ldy] = sum_k x[i, k] * w[k] (float32) for R <= kDotRows input rows and one output row's
+// blocks, expanded in 16-wide registers: the AVX2 rows_times_weight_row above at half the
+// instructions, with four accumulator chains per row (two blocks per step)
+template <typename Format, int R>
+__attribute__((always_inline)) inline void rows_times_weight_row(const float* x, int64_t K, const uint8_t* blocks,
+                                                                 float* y, int64_t ldy) {
+  __m512 acc[R][4];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 2 * kBlock <= K; k += 2 * kBlock, blocks += 2 * Format::kBytes) {
+    __m512 w[4];
+    Format::floats(blocks, w[0], w[1]);
+    Format::floats(blocks + Format::kBytes, w[2], w[3]);
+    for (int i = 0; i < R; ++i)
+      for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_fmadd_ps(w[c], _mm512_loadu_ps(x + i * K + k + 16 * c), acc[i][c]);
+  }
+  if (k < K) {
+    __m512 w[2];
+    Format::floats(blocks, w[0], w[1]);
+    for (int i = 0; i < R; ++i)
+      for (int c = 0; c < 2; ++c) acc[i][c] = _mm512_fmadd_ps(w[c], _mm512_loadu_ps(x + i * K + k + 16 * c), acc[i][c]);
+  }
+  for (int i = 0; i < R; ++i)
+    y[i * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(acc[i][2], acc[i][3])));
+}
+
+// Output rows [begin, end) of y = x @ W.T for rows <= kDotRows input rows (float32), prefetching
+// the output row two ahead a share per block (one stream of blocks, as the panels do)
+template <typename Format>
+void output_rows(const float* x, int64_t rows, int64_t K, const uint8_t* blocks, float* y, int64_t N, int64_t begin,
+                 int64_t end) {
+  const int64_t row_bytes = K / kBlock * Format::kBytes, lines = (row_bytes + 63) / 64;
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* w = blocks + n * row_bytes;
+    if (n + 2 < end)
+      for (int64_t line = 0; line < lines; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(w + 2 * row_bytes) + 64 * line, _MM_HINT_T0);
+    switch (rows) {
+      case 4: rows_times_weight_row<Format, 4>(x, K, w, y + n, N); break;
+      case 3: rows_times_weight_row<Format, 3>(x, K, w, y + n, N); break;
+      case 2: rows_times_weight_row<Format, 2>(x, K, w, y + n, N); break;
+      default: rows_times_weight_row<Format, 1>(x, K, w, y + n, N); break;
+    }
+  }
+}
 
 // r[j] = column j of the 16x16 matrix of 32-bit units whose rows were r[0..15]
 inline void transpose16(__m512i r[16]) {
@@ -408,6 +465,26 @@ at::Tensor bf16_block_linear(const at::Tensor& x, const at::Tensor& blocks, cons
   return out;
 }
 
+// x @ W.T + bias in bf16 for up to bf16::kDotRows rows, in float32 16-wide, x validated
+at::Tensor bf16_rows_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
+                            bool q4_1) {
+  const int64_t K = x.size(1), N = blocks.size(0), rows = x.size(0);
+  const at::Tensor input = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({rows, N}, input.options());
+  const float* xp = input.data_ptr<float>();
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  float* yp = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    if (q4_1) {
+      bf16::output_rows<bf16::Q4_1>(xp, rows, K, bp, yp, N, begin, end);
+    } else {
+      bf16::output_rows<bf16::Q8_0>(xp, rows, K, bp, yp, N, begin, end);
+    }
+  });
+  if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat));
+  return out.to(at::kBFloat16);
+}
+
 // x @ W.T + bias from the blocks, for any number of rows, in x's dtype: float32, or bf16 (on the
 // bf16 panels where the CPU has AVX512-BF16 and there are more than bf16::kDotRows rows, else in
 // float32 and rounded)
@@ -426,6 +503,8 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std
   if (x.scalar_type() == at::kFloat) return float_block_linear(x, blocks, bias, q4_1);
   if (has_bf16_panels() && rows > bf16::kDotRows && N % bf16::kPanel == 0)
     return bf16_block_linear(x, blocks, bias, q4_1);
+  if (has_bf16_panels() && rows <= bf16::kDotRows && rows > 0)
+    return bf16_rows_linear(x, blocks, bias, q4_1);
   std::optional<at::Tensor> bias32;
   if (bias.has_value() && bias->defined()) bias32 = bias->to(at::kFloat);
   return float_block_linear(x.to(at::kFloat), blocks, bias32, q4_1).to(at::kBFloat16);
