@@ -14,12 +14,13 @@ at 12, 42 vs 52 at 16, 97-107 vs 115-122 at 48, 159-181 vs 195-203 at 96, 277 vs
 and within +-5% of oneDNN (either way, between runs) from 160 rows to 1,024. So a projection
 with blocks keeps no float32 copy (:class:`~flexpage.model.packed_linear.PackedLinear`).
 
-bf16 inputs: on CPUs with AVX512-BF16 the op expands 32 output rows at a time into a bf16
-panel (the model's bf16 weights, rounded from the blocks exactly as they were) and multiplies
-12 input rows at a time with vdpbf16ps, prefetching the next panel's blocks as it goes: on the
-2-core AMD EPYC Zen 5, 30 layers of projections from memory took 0.70-0.85x the time of
-oneDNN's packed bf16 from 4 to 256 rows and 0.92-0.96x at 512-1,024 (a third of the bytes, and
-both threads given equal shares of the outputs). So where :func:`blocks_at_every_row` says so,
+bf16 inputs: on CPUs with AVX512-BF16, up to 4 rows expand each output row's blocks in 16-wide
+float32 registers, and more rows expand 32 output rows at a time into a bf16 panel (the model's
+bf16 weights, rounded from the blocks exactly as they were) and multiply 12 input rows at a
+time with vdpbf16ps; both prefetch the next row's or panel's blocks as they go. On the 2-core
+AMD EPYC Zen 5, one forward's projections and LM head from memory took 0.41-0.56x the time of
+oneDNN's packed bf16 at 1-4 rows, 0.68-0.86x at 8-128 and 0.99x at 1,024 (a third of the
+bytes, and both threads given equal shares of the outputs). So where :func:`blocks_at_every_row` says so,
 a bf16 projection keeps its blocks only, like float32. Elsewhere -- Intel CPUs with AMX, whose
 oneDNN bf16 tiles this kernel does not use, unmeasured here -- a bf16 model keeps its packed
 bf16 weights too and reads the blocks for up to :data:`MAX_BLOCK_ROWS` rows only
@@ -60,10 +61,9 @@ GGUF_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 BLOCK_BYTES = {"Q4_1": 24, "Q8_0": 36}
 _SOURCE = pathlib.Path(__file__).with_name("csrc") / "gguf_linear.cpp"
 _CPU_FLAGS = ("avx2", "fma", "f16c")
-#: a bf16 model's projections read their blocks up to this many rows, oneDNN's packed bf16 beyond
-#: (:func:`block_or_packed_linear`). One forward's projections and LM head on the 2-core AMD EPYC
-#: Zen 5 (``python -m bench.gguf_linear``): blocks 3.9, 4.7, 6.8, 14.1 ms at 1, 2, 4, 8 rows;
-#: packed bf16 8.2, 7.1, 7.1, 9.2 ms, and 11.1 ms at the 16 rows a small batch is padded to.
+#: where a bf16 model keeps its packed weights too (AMX CPUs), its projections read their blocks
+#: up to this many rows, oneDNN's packed bf16 beyond (:func:`block_or_packed_linear`): up to 4
+#: rows the blocks' 16-wide float32 path took 0.41-0.56x packed bf16's time on the Zen 5.
 MAX_BLOCK_ROWS = 4
 
 #: GGUF tensor names (``blk.<i>.`` dropped) -> HF parameter names of a Llama-family model
