@@ -306,8 +306,6 @@ class ModelRunner:
         rows = self.pool.storage.shape[0] * 2 * self.pool.num_kv_heads
         self.host = torch.zeros(rows, num_host_blocks * block_size, head_dim, dtype=self.dtype)
 
-    @torch.no_grad()
-
     def _int8_blocks(self, model: torch.nn.Module, compact: bool, row_tile: int | None,
                      parallel: TensorParallel | None) -> dict[str, Tensor]:
         """``model``'s projections and LM head quantised to int8, as blocks by parameter name."""
@@ -319,6 +317,8 @@ class ModelRunner:
             if not met:
                 raise ValueError(f"quantization: 'int8' needs {what}")
         return int8_blocks(model)
+
+    @torch.no_grad()
     def execute(self, inputs: StepInputs) -> Tensor:
         """Forward the flat batch; returns float32 logits ``[len(sample_rows), vocab]``."""
         step, token_ids, positions, sample_rows = self._step(inputs)
