@@ -213,7 +213,7 @@ void output_panels(const float* x, int64_t rows, int64_t K, const uint8_t* block
 // with it (24 float32 accumulators). While it expands one panel it prefetches the next panel's
 // blocks, spread over the expansion (all at once, the prefetches stall on the CPU's miss queue):
 // the blocks stream from memory behind the arithmetic. On the 2-core AMD EPYC Zen 5, 30 layers of
-// SmolLM2's projections from memory took 0.70-0.85x the time of oneDNN's packed bf16 from 4 to
+// SmolLM2's projections from memory took 0.70-0.85x the time of oneDNN's packed bf16 from 5 to
 // 256 rows (a third of the bytes, both threads given equal halves of the outputs) and 0.92-0.96x
 // at 512-1,024 rows. Up to 4 rows, expanding each output row's blocks in 16-wide float32 registers
 // is faster (bf16::output_rows; a forward's projections at 1 row: 3.1-3.4 vs 4.4 ms).
@@ -289,7 +289,7 @@ __attribute__((always_inline)) inline void rows_times_weight_row(const float* x,
 }
 
 // Output rows [begin, end) of y = x @ W.T for rows <= kDotRows input rows (float32), prefetching
-// the output row two ahead a share per block (one stream of blocks, as the panels do)
+// the blocks of the output row two ahead (7-36 cache lines for these models)
 template <typename Format>
 void output_rows(const float* x, int64_t rows, int64_t K, const uint8_t* blocks, float* y, int64_t N, int64_t begin,
                  int64_t end) {
