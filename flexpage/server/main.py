@@ -171,6 +171,20 @@ def recipe_summary(recipes: Any) -> str:
     return "; ".join(f"{recipe.name} (layers {', '.join(map(str, ids))})" for recipe, ids in layers.items())
 
 
+def _layers_summary(engine: Any) -> str:
+    """How the layers run, and what the projections compute from (docs/quantization.md)."""
+    compact = engine.runner.compact
+    if compact is None:
+        return "HF transformers modules"
+    head = compact.lm_head
+    if head.blocks is None:
+        weights = "pre-packed for oneDNN" if head.packed else "the model's weights"
+    else:
+        source = "int8 blocks" if engine.config.quantization == "int8" else "the GGUF's Q4_1/Q8_0 blocks"
+        weights = source + (" (packed bf16 beyond 4 rows)" if head.weight is not None else "")
+    return f"flexpage compact forward (fused projections from {weights})"
+
+
 def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str, load_s: float,
             warm_s: float) -> None:
     from rich.panel import Panel
@@ -209,8 +223,7 @@ def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str
                   else "eager (no torch.compile)")
     table.add_row("recipes", recipe_summary(engine.recipes) + ("" if engine.runner.recipes_from_model
                                                               else "  (--recipe)"))
-    table.add_row("layers", "flexpage compact forward (fused, pre-packed projections)" if engine.runner.compact
-                  else "HF transformers modules")
+    table.add_row("layers", _layers_summary(engine))
     table.add_row("step", "one compiled graph (3 variants: prefill, decode, mixed)" if engine.runner.compiled_step
                   else "layer by layer")
     keys = len([k for k in (settings.api_key or "").split(",") if k.strip()])
