@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -31,34 +29,12 @@ from pathlib import Path
 import torch
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "int8.json"
-CACHE = Path(os.environ.get("FLEXPAGE_BENCH_CACHE", Path.home() / ".cache" / "flexpage"))
 #: Llama-3.2-1B's shape
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=4096,
                 rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=500000.0)
 MODELS = {"smollm2-135m": ("none", "auto", "int8"), "llama-1b-random": ("none", "int8")}
 AGREEMENT_PROMPTS, AGREEMENT_TOKENS = 16, 32
-
-
-def llama_1b_folder() -> Path:
-    """A random-weight checkpoint of :data:`LLAMA_1B` in bf16 (built once, then cached on disk)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
-
-    from flexpage.model.loader import resolve_model_path
-
-    folder = CACHE / "bench-int8-llama-1b"
-    if (folder / "config.json").is_file():
-        return folder
-    config = LlamaConfig(**LLAMA_1B, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2)
-    model.save_pretrained(folder)
-    tokenizer = resolve_model_path(None)  # detokenising only; the prompts are token ids
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (tokenizer / name).is_file():
-            shutil.copy(tokenizer / name, folder / name)
-    return folder
 
 
 def agreement_prompts() -> list[list[int]]:
@@ -70,10 +46,10 @@ def agreement_prompts() -> list[list[int]]:
 
 def measure_one(model: str, quantization: str) -> dict:
     """Everything for one configuration, in this process."""
-    from bench.tp import decode_ms, prefill_ms
+    from bench.tp import decode_ms, prefill_ms, random_llama_folder
     from flexpage import LLM, SamplingParams
 
-    path = None if model == "smollm2-135m" else str(llama_1b_folder())
+    path = None if model == "smollm2-135m" else str(random_llama_folder("bench-int8-llama-1b", LLAMA_1B))
     llm = LLM(path, dtype="bfloat16", quantization=quantization, max_num_seqs=16, max_model_len=2048,
               kv_cache_memory="1GiB")
     params = SamplingParams(temperature=0.0, max_tokens=AGREEMENT_TOKENS, ignore_eos=True)

@@ -53,21 +53,27 @@ COMM_EVENTS = ("_c10d_functional::", "c10d::", "gloo:")
 
 def model_folder(quick: bool) -> Path:
     """A random-weight checkpoint of :data:`SHAPE` (built once, then cached on disk)."""
+    layers = QUICK_LAYERS if quick else SHAPE["num_hidden_layers"]
+    return random_llama_folder(f"bench-tp-llama-{layers}l", {**SHAPE, "num_hidden_layers": layers})
+
+
+def random_llama_folder(name: str, shape: dict) -> Path:
+    """A random-weight bf16 Llama checkpoint of ``shape`` under the bench cache as ``name`` (built
+    once, then cached on disk), with the default model's tokenizer files."""
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
-    layers = QUICK_LAYERS if quick else SHAPE["num_hidden_layers"]
-    folder = CACHE / f"bench-tp-llama-{layers}l"
+    folder = CACHE / name
     if (folder / "config.json").is_file():
         return folder
-    config = LlamaConfig(**{**SHAPE, "num_hidden_layers": layers}, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2)
     model.save_pretrained(folder)
     tokenizer = resolve_model_path(None)  # its ids cover ours; only detokenising uses it
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (tokenizer / name).is_file():
-            shutil.copy(tokenizer / name, folder / name)
+    for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tokenizer / file).is_file():
+            shutil.copy(tokenizer / file, folder / file)
     return folder
 
 

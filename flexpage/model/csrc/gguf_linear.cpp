@@ -485,9 +485,9 @@ at::Tensor bf16_rows_linear(const at::Tensor& x, const at::Tensor& blocks, const
   return out.to(at::kBFloat16);
 }
 
-// x @ W.T + bias from the blocks, for any number of rows, in x's dtype: float32, or bf16 (on the
-// bf16 panels where the CPU has AVX512-BF16 and there are more than bf16::kDotRows rows, else in
-// float32 and rounded)
+// x @ W.T + bias from the blocks, for any number of rows, in x's dtype: float32, or bf16 (where
+// the CPU has AVX512-BF16: up to bf16::kDotRows rows 16-wide in float32, more on the bf16 panels;
+// elsewhere in float32 on AVX2; rounded to bf16 after float32)
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "block_linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
@@ -501,10 +501,10 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std
               " features; blocks of ", row_bytes, " bytes per row hold ", row_bytes / Q4_1::kBytes * kBlock,
               " (Q4_1) or ", row_bytes / Q8_0::kBytes * kBlock, " (Q8_0)");
   if (x.scalar_type() == at::kFloat) return float_block_linear(x, blocks, bias, q4_1);
-  if (has_bf16_panels() && rows > bf16::kDotRows && N % bf16::kPanel == 0)
-    return bf16_block_linear(x, blocks, bias, q4_1);
-  if (has_bf16_panels() && rows <= bf16::kDotRows && rows > 0)
-    return bf16_rows_linear(x, blocks, bias, q4_1);
+  if (has_bf16_panels() && rows > 0) {
+    if (rows <= bf16::kDotRows) return bf16_rows_linear(x, blocks, bias, q4_1);
+    if (N % bf16::kPanel == 0) return bf16_block_linear(x, blocks, bias, q4_1);
+  }
   std::optional<at::Tensor> bias32;
   if (bias.has_value() && bias->defined()) bias32 = bias->to(at::kFloat);
   return float_block_linear(x.to(at::kFloat), blocks, bias32, q4_1).to(at::kBFloat16);
