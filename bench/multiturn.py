@@ -1,6 +1,6 @@
 """Multi-turn chat over a pool too small for the history: what keeping KV across turns buys.
 
-    python -m bench.multiturn [--think 2 6] [--users 24] [--repeats 2] [--quick]
+    python -m bench.multiturn [--think 1 4 16] [--users 64] [--repeats 2] [--quick]
 
 Workload (fixed seed, the same for every mode): synthetic ShareGPT-like conversations --
 turns per conversation geometric with mean 5.5 (at most 10), short user messages (log-normal,
@@ -8,7 +8,11 @@ median 40 tokens) and long replies (median 96 tokens; ShareGPT's are longer, sca
 2-core CPU), random token ids, ``ignore_eos``. Users arrive as a Poisson process; each runs a
 closed loop: send turn k (the whole history plus a new message), wait for the reply, think
 (exponential, mean swept by ``--think``), send turn k+1. The KV pool holds a fraction of the
-live history, so a conversation's KV is evicted while its user thinks.
+live history, so a conversation's KV is evicted while its user thinks, and the host tier a
+fraction of what the pool evicts, so the two tier policies choose differently. The users
+arrive within seconds and are many enough that the engine, not their pacing, bounds the
+run at short think times; the sweep crosses the knee where recomputing every history
+saturates the engine while keeping it does not.
 
 Compared in one run, each in a fresh engine of the same process (compiled kernels shared):
 
@@ -137,6 +141,7 @@ def run_mode(mode: str, workload: list[list[Turn]], think_mean: float, args: arg
         "restored_host_tokens": stats["kv_restored_host_tokens"],
         "hole_recomputed_tokens": stats["kv_hole_recomputed_tokens"],
         "dropped_tokens": stats["kv_dropped_tokens"], "spilled_tokens": stats["kv_spilled_tokens"],
+        "released_tokens": stats["kv_released_tokens"],
         "preemptions": stats["preemptions"], "rss_growth_mb": (peak_rss - base_rss) / 2**20,
         "recompute_cost_slope": engine.recompute_cost_slope,
     }
@@ -220,16 +225,16 @@ def plot_results(results: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--think", type=float, nargs="+", default=[2.0, 6.0], help="think-time means (s)")
-    parser.add_argument("--users", type=int, default=24)
+    parser.add_argument("--think", type=float, nargs="+", default=[1.0, 4.0, 16.0], help="think-time means (s)")
+    parser.add_argument("--users", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--arrival-rate", type=float, default=0.5, help="users per second (Poisson)")
-    parser.add_argument("--pool", default="48MiB", help="KV pool (kv_cache_memory)")
-    parser.add_argument("--host", default="32MiB", help="host tier (host_kv_bytes) of the tiers modes")
+    parser.add_argument("--arrival-rate", type=float, default=8.0, help="users per second (Poisson)")
+    parser.add_argument("--pool", default="256MiB", help="KV pool (kv_cache_memory)")
+    parser.add_argument("--host", default="192MiB", help="host tier (host_kv_bytes) of the tiers modes")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--snapshot-at", type=float, default=40.0, help="seconds into the run the PNG shows")
+    parser.add_argument("--snapshot-at", type=float, default=30.0, help="seconds into the run the PNG shows")
     parser.add_argument("--quick", action="store_true", help="4 users, one think time (a smoke run)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/multiturn.json"))
     parser.add_argument("--img", type=Path, default=Path("docs/img"))
@@ -263,6 +268,10 @@ def main() -> None:
             print(f"think {think:g} s: tiers-retention throughput {best['output_tok_s'] / by['stateless']['output_tok_s']:.2f}x "
                   f"stateless, {best['output_tok_s'] / by['pool']['output_tok_s']:.2f}x pool; TTFT p50 "
                   f"{by['pool']['ttft_p50_s'] / best['ttft_p50_s']:.2f}x better than pool")
+        if {"tiers-lru", "tiers-retention"} <= set(by):
+            lru, retention = (by[m]["history_recomputed_tokens"] for m in ("tiers-lru", "tiers-retention"))
+            print(f"think {think:g} s: the retention value recomputes {retention / max(lru, 1) - 1:+.1%} history "
+                  f"tokens against LRU ({retention} vs {lru})")
     args.out.parent.mkdir(exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results,
                                     "runs": runs}, indent=1))

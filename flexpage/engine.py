@@ -715,6 +715,7 @@ class LLMEngine:
             "kv_restored_host_tokens": (t.restored_host_blocks if t else 0) * size,
             "kv_restored_disk_tokens": (t.restored_disk_blocks if t else 0) * size,
             "kv_dropped_tokens": (t.dropped_blocks if t else 0) * size,
+            "kv_released_tokens": (t.released_blocks if t else 0) * size,
             "kv_hole_recomputed_tokens": self.block_manager.num_hole_tokens,
             **{f"conversation_{name}": value for name, value in self.conversations.totals.items()},
         }

@@ -82,8 +82,8 @@ def kv_view(engine: Any, max_conversations: int = 64, max_requests: int = 128) -
             "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
             "history_reuse_rate": stats["conversation_reused_tokens"] / max(1, stats["conversation_history_tokens"]),
             **{name: stats[name] for name in ("kv_spilled_tokens", "kv_restored_host_tokens", "kv_restored_disk_tokens",
-                                              "kv_dropped_tokens", "kv_hole_recomputed_tokens",
-                                              "conversation_recomputed_tokens")},
+                                              "kv_dropped_tokens", "kv_released_tokens",
+                                              "kv_hole_recomputed_tokens", "conversation_recomputed_tokens")},
         },
     }
 

@@ -82,6 +82,23 @@ def test_lru_drops_the_least_recently_used_whatever_its_position():
     assert key(2) not in tiers and key(1) in tiers and key(3) in tiers
 
 
+@pytest.mark.parametrize("policy", ["retention", "lru"])
+def test_a_copy_the_pool_still_holds_goes_before_any_idle_entry(policy):
+    clock = Clock()
+    tiers = KVTiers(2, 1, policy=policy, cost=lambda position: 1.0 + position, clock=clock)
+    tiers.spill(key(1), 1, position=0, last_used=0.0)  # idle since t=0: the policy's first victim
+    clock.now = 10.0
+    tiers.spill(key(2), 2, position=5, last_used=10.0)
+    tiers.restore(key(2), 3)  # running again: the pool holds key 2 as well as the tier
+    tiers.in_pool = lambda k: k == key(2)
+    tiers.take_ops()
+    tiers.spill(key(3), 4, position=0, last_used=10.0)
+    assert tiers.take_ops() == [TierOp(TierOpKind.SPILL, 4, 1)]  # key 2's slot, nothing copied to disk
+    assert [tiers.where(key(i)) for i in (1, 2, 3)] == ["host", None, "host"]
+    stats = tiers.stats()
+    assert (stats.released_blocks, stats.dropped_blocks, stats.demoted_blocks) == (1, 0, 0)
+
+
 def test_a_full_host_tier_moves_its_victim_to_disk_before_reusing_the_slot():
     tiers = KVTiers(1, 1, policy="lru")
     tiers.spill(key(1), 5, 0, last_used=0.0)

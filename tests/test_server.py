@@ -598,7 +598,7 @@ def test_the_kv_view_accounts_for_every_block(server: ServerProcess) -> None:
     metrics = server.metrics()
     assert metrics["flexpage_kv_host_tier_bytes"] == host["bytes_used"]
     for name in ("kv_spilled_tokens", "kv_restored_host_tokens", "kv_restored_disk_tokens", "kv_dropped_tokens",
-                 "conversation_turns", "conversation_reused_tokens", "conversation_recomputed_tokens"):
+                 "kv_released_tokens", "conversation_turns", "conversation_reused_tokens", "conversation_recomputed_tokens"):
         assert f"flexpage_{name}_total" in metrics
     assert metrics["flexpage_conversation_turns_total"] >= 4
     top = subprocess.run([sys.executable, "-m", "flexpage.cli", "top", "--url", server.base_url, "--api-key", API_KEY,

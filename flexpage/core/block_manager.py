@@ -174,6 +174,8 @@ class BlockManager:
         self._relocations: list[tuple[int, int]] = []  # see take_relocations
         self._held: dict[int, _Held] = {}  # by seq_id; dropped by free()
         self.tiers = tiers if tiers is not None and tiers.enabled and self.enable_prefix_caching else None
+        if self.tiers is not None:
+            self.tiers.in_pool = lambda key: self.pool.lookup(key) is not None
         #: of each hashed pool block: its logical block index, when a sequence last released it and
         #: the conversation that computed it (None: no conversation)
         self._block_info: dict[BlockHash, tuple[int, float, str | None]] = {}

@@ -16,6 +16,13 @@ of one idle conversation the leading blocks go first, and those are the cheapest
 recompute -- the block manager recomputes a missing head in front of restored blocks.
 ``policy="lru"`` (least recently used first) is there for comparison.
 
+**Copies the pool still holds go first**, under either policy. An entry stays in its tier
+after a restore, so while its conversation runs (and until the pool takes the block back)
+the tier holds a second copy of what the pool has: losing it loses nothing, and a later
+spill copies the block again (a ~20 us copy against recomputing it). Ranking those copies
+by idle time instead kept exactly the running conversations' history -- the most recently
+used -- and dropped idle ones that were needed next.
+
 Entries are keyed like the pool (:func:`~flexpage.core.layer_groups.group_key`) and stay
 in their tier after a restore (a later spill of the same content costs nothing). This
 module is bookkeeping only: it hands out :class:`TierOp` s in the order they must run; the
@@ -77,6 +84,7 @@ class TierStats:
     restored_disk_blocks: int  # hits served from disk
     demoted_blocks: int  # host -> disk moves (and spills straight to disk)
     dropped_blocks: int  # entries gone for good (recompute if needed again)
+    released_blocks: int  # entries let go while the pool held the same content (spilled again if needed)
 
 
 class KVTiers:
@@ -104,7 +112,9 @@ class KVTiers:
         self._ops: list[TierOp] = []
         #: keys no eviction may touch (the block manager sets them while it restores them)
         self.pinned: set[BlockHash] = set()
-        self._counts = dict.fromkeys(("spilled", "host_hits", "disk_hits", "demoted", "dropped"), 0)
+        #: whether the pool holds a key's content (used or cached): the block manager sets it
+        self.in_pool: Callable[[BlockHash], bool] = lambda key: False
+        self._counts = dict.fromkeys(("spilled", "host_hits", "disk_hits", "demoted", "dropped", "released"), 0)
 
     @property
     def enabled(self) -> bool:
@@ -124,7 +134,7 @@ class KVTiers:
     def stats(self) -> TierStats:
         c = self._counts
         return TierStats(self.host_slots, self.host_slots - len(self._free_host), self.disk_slots, self._num_disk,
-                         c["spilled"], c["host_hits"], c["disk_hits"], c["demoted"], c["dropped"])
+                         c["spilled"], c["host_hits"], c["disk_hits"], c["demoted"], c["dropped"], c["released"])
 
     # -- moving blocks -----------------------------------------------------------------------
     def spill(self, key: BlockHash, device_block: int, position: int, last_used: float,
@@ -146,7 +156,10 @@ class KVTiers:
                 if victim == key:  # worth less than every host entry: straight down
                     self._move_down(key, entry, device_block)
                     return
-                self._move_down(victim, self._entries[victim])
+                if self._resident(victim, key):
+                    self._release(victim)
+                else:
+                    self._move_down(victim, self._entries[victim])
         entry.slot = self._free_host.pop()
         self._entries[key] = entry
         self._ops.append(TierOp(TierOpKind.SPILL, device_block, entry.slot))
@@ -192,14 +205,31 @@ class KVTiers:
             return entry.last_used
         return self.cost(entry.position) / max(now - entry.last_used, 1e-6)
 
+    def _resident(self, key: BlockHash, arriving: BlockHash) -> bool:
+        """Whether the pool holds ``key``'s content, so the tier's copy can go at no loss (the
+        block arriving from the pool is on its way out of it)."""
+        return key != arriving and self.in_pool(key)
+
     def _victims(self, on_disk: bool, capacity: int, key: BlockHash, entry: _Entry) -> list[BlockHash]:
         """The lowest-value entries of a tier, counting ``entry`` (arriving as ``key``) among
-        them: 1/64 of the tier's capacity at once (at least one), so that a stream of spills
-        ranks the tier once per batch rather than once per block. Pinned entries never go."""
+        them: copies the pool still holds first, then by the policy's value; 1/64 of the
+        tier's capacity at once (at least one), so that a stream of spills ranks the tier
+        once per batch rather than once per block. Pinned entries never go."""
         now = self.clock()
         candidates = {k: e for k, e in self._entries.items() if e.on_disk == on_disk and k not in self.pinned}
         candidates[key] = entry
-        return heapq.nsmallest(max(1, capacity // 64), candidates, key=lambda k: self._value(candidates[k], now))
+        return heapq.nsmallest(max(1, capacity // 64), candidates,
+                               key=lambda k: (not self._resident(k, key), self._value(candidates[k], now)))
+
+    def _release(self, key: BlockHash) -> None:
+        """Let go of the tier's copy of content the pool holds (no loss: see the module docstring)."""
+        entry = self._entries.pop(key)
+        if entry.on_disk:
+            self._ops.append(TierOp(TierOpKind.DELETE, entry.slot))
+            self._num_disk -= 1
+        else:
+            self._free_host.append(entry.slot)
+        self._counts["released"] += 1
 
     def _move_down(self, key: BlockHash, entry: _Entry, device_block: int | None = None) -> None:
         """``entry`` leaves the host tier (or, with ``device_block``, never enters it): to disk
@@ -210,7 +240,11 @@ class KVTiers:
         if keep and self._num_disk == self.disk_slots:
             victims = self._victims(True, self.disk_slots, key, entry)
             for victim in victims:
-                if victim != key:
+                if victim == key:
+                    continue
+                if self._resident(victim, key):
+                    self._release(victim)
+                else:
                     self._ops.append(TierOp(TierOpKind.DELETE, self._entries.pop(victim).slot))
                     self._num_disk -= 1
                     self._counts["dropped"] += 1

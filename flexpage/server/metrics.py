@@ -60,6 +60,8 @@ _COUNTERS = {
                                                                     "disk tier."),
     "flexpage_kv_dropped_tokens": ("kv_dropped_tokens", "Tokens of tiered blocks dropped for good (the tiers were "
                                                         "full)."),
+    "flexpage_kv_released_tokens": ("kv_released_tokens", "Tokens of tiered copies let go while the pool held the "
+                                                          "same blocks (spilled again if the pool evicts them)."),
     "flexpage_kv_hole_recomputed_tokens": ("kv_hole_recomputed_tokens", "Tokens recomputed in front of blocks "
                                                                         "restored behind a dropped head."),
     "flexpage_conversation_turns": ("conversation_turns", "Finished turns of requests that named a conversation."),
