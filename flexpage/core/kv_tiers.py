@@ -19,9 +19,9 @@ recompute -- the block manager recomputes a missing head in front of restored bl
 **Copies the pool still holds go first**, under either policy. An entry stays in its tier
 after a restore, so while its conversation runs (and until the pool takes the block back)
 the tier holds a second copy of what the pool has: losing it loses nothing, and a later
-spill copies the block again (a ~20 us copy against recomputing it). Ranking those copies
-by idle time instead kept exactly the running conversations' history -- the most recently
-used -- and dropped idle ones that were needed next.
+spill copies the block again (a ~20 us copy against recomputing it). Ranked by idle time,
+they would be the last to go (a running conversation is the most recently used), and the
+tier would drop the idle histories that the next turns need.
 
 Entries are keyed like the pool (:func:`~flexpage.core.layer_groups.group_key`) and stay
 in their tier after a restore (a later spill of the same content costs nothing). This
