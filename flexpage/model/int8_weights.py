@@ -25,8 +25,6 @@ __all__ = ["int8_blocks", "quantize_int8"]
 
 #: weights per block of the kernel's Q8_0 layout
 _BLOCK = 32
-
-
 #: rows quantised at a time hold at most this many weights (bounds the float32 temporaries)
 _CHUNK_WEIGHTS = 1 << 22
 

@@ -265,12 +265,14 @@ class ModelRunner:
             heads_per_rank = num_heads // parallel.size
             self.layer_recipes = tuple(offset_heads(r, parallel.rank * heads_per_rank) for r in self.layer_recipes)
         compact = model_impl != "transformers" and supports(model)
+        blocks = None
         if int8_weights:
-            blocks = self._int8_blocks(model, compact, row_tile, parallel)
-        else:
-            blocks = (gguf_linear.gguf_blocks(gguf_path, model)
-                      if compact and gguf_path is not None and self.dtype in (torch.float32, torch.bfloat16)
-                      and row_tile is None and parallel is None and gguf_linear.available() else None)
+            missing = self._block_kernel_missing(compact, row_tile, parallel)
+            if missing is not None:
+                raise ValueError(f"quantization: 'int8' needs {missing}")
+            blocks = int8_blocks(model)
+        elif gguf_path is not None and self._block_kernel_missing(compact, row_tile, parallel) is None:
+            blocks = gguf_linear.gguf_blocks(gguf_path, model)
         self.compact = CompactDecoder(model, row_tile=row_tile, parallel=parallel, blocks=blocks) if compact else None
         if self.compact is None and row_tile is not None:
             _tile_linear_rows(model, row_tile)
@@ -306,17 +308,21 @@ class ModelRunner:
         rows = self.pool.storage.shape[0] * 2 * self.pool.num_kv_heads
         self.host = torch.zeros(rows, num_host_blocks * block_size, head_dim, dtype=self.dtype)
 
-    def _int8_blocks(self, model: torch.nn.Module, compact: bool, row_tile: int | None,
-                     parallel: TensorParallel | None) -> dict[str, Tensor]:
-        """``model``'s projections and LM head quantised to int8, as blocks by parameter name."""
-        needs = (("the compact forward (a Llama-family model, model_impl 'auto' or 'flexpage')", compact),
-                 ("one process", parallel is None), ("a non-deterministic engine", row_tile is None),
-                 ("float32 or bfloat16 weights", self.dtype in (torch.float32, torch.bfloat16)),
-                 ("the block kernel (x86 with AVX2/FMA/F16C and a C++ compiler)", gguf_linear.available()))
-        for what, met in needs:
-            if not met:
-                raise ValueError(f"quantization: 'int8' needs {what}")
-        return int8_blocks(model)
+    def _block_kernel_missing(self, compact: bool, row_tile: int | None,
+                              parallel: TensorParallel | None) -> str | None:
+        """The first thing computing projections from blocks (:mod:`~flexpage.model.gguf_linear`)
+        needs and this runner lacks; None: nothing. The kernel is built only if all else is there."""
+        if not compact:
+            return "the compact forward (a Llama-family model, model_impl 'auto' or 'flexpage')"
+        if parallel is not None:
+            return "one process"
+        if row_tile is not None:
+            return "a non-deterministic engine"
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            return "float32 or bfloat16 weights"
+        if not gguf_linear.available():
+            return "the block kernel (x86 with AVX2/FMA/F16C and a C++ compiler)"
+        return None
 
     @torch.no_grad()
     def execute(self, inputs: StepInputs) -> Tensor:
