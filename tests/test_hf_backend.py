@@ -322,6 +322,21 @@ def test_new_prompt_lengths_compile_nothing_after_the_first_few(llama_pair):
     assert new_graphs == 0, f"{new_graphs} graphs compiled for new lengths after the first {WARM_LENGTHS}"
 
 
+def test_attention_calls_run_their_compiled_graphs_directly(llama_pair):
+    """Each layer's call runs the Inductor graph without Dynamo's prologue and AOTAutograd's
+    wrappers around it (~50 us of a ~100 us decode call inside a forward): a torch upgrade
+    that wraps graphs otherwise must not lose that silently."""
+    from flexpage.attention import contiguous
+    from flexpage.attention.saved_programs import SavedProgram
+
+    sdpa, flex = llama_pair
+    ids, mask = ragged_batch([40, 37], 128, 0, seed=7)
+    assert_same_generation(sdpa, flex, ids, mask, pad=0)
+    programs = [p for p in contiguous._COMPILED.values() if isinstance(p, SavedProgram) and p._runners]
+    assert len(programs) >= 2, "a prefill and a decode program"
+    assert all(p.calls_graphs_directly for p in programs)
+
+
 def test_whole_model_compiled_with_dynamic_and_static_cache_matches_sdpa(llama_pair):
     """``torch.compile`` around the model (HF's and gpt-fast's recommended path): the attention is
     traced into the model's graph; greedy tokens equal sdpa's with HF's default (dynamic) cache

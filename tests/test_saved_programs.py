@@ -7,6 +7,9 @@
   is skipped with a warning, never a failed call.
 * A call whose tensors match the last accepted call's (sizes, strides, dtype, ...) under the
   same global state runs that program without checking its guards again.
+* A program whose graph only reads its inputs runs the graph directly, without Dynamo's
+  prologue and AOTAutograd's wrappers around it, with the same results; one that writes to
+  an input runs whole.
 * Saved programs are read one at a time, the one that served a call last first, until one
   accepts the call (each costs a process ~0.4 s to read).
 * Keys name content: equal constants give equal fingerprints, a changed closure value or
@@ -122,6 +125,32 @@ def test_a_call_like_the_last_accepted_one_skips_the_guard_check(tmp_path):
     square = torch.randn(8, 8)
     program((square[:6], square), [])  # the two arguments share memory: checked again
     assert len(checks) == 3
+
+
+def _add_into(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    x.add_(w)
+    return x * 2.0
+
+
+def test_a_graph_that_only_reads_its_inputs_is_called_directly(tmp_path):
+    for attempt in ("compiled here", "loaded"):
+        program = SavedProgram(_step, "k", tmp_path)
+        for rows in (5, 9, 5):
+            out, expected = _run(program, rows)
+            assert torch.allclose(out, expected), attempt
+        assert (program.compiled_here, program.loaded) == ((1, 0) if attempt == "compiled here" else (0, 1))
+        assert program.calls_graphs_directly, attempt
+
+
+def test_a_graph_that_writes_to_an_input_runs_whole(tmp_path):
+    program = SavedProgram(_add_into, "k", tmp_path)
+    for rows in (5, 7):
+        x, w = torch.randn(rows, 4), torch.randn(rows, 4)
+        expected = (x + w) * 2.0
+        with torch.inference_mode():
+            out = program((x, w), [(x, 0), (w, 0)])
+        assert torch.allclose(out, expected) and torch.allclose(x, expected / 2.0)  # written once per call
+    assert not program.calls_graphs_directly and program._runners
 
 
 def test_saved_programs_keep_the_guards_they_can_save_less_those_on_unguarded_arguments():

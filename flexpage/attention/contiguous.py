@@ -18,7 +18,6 @@ one for decode per (recipe, batch of one or more) -- see ``tests/test_hf_backend
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -133,7 +132,6 @@ def _contiguous_attention(
                           enable_gqa=q.shape[1] != k.shape[1], kernel_options=kernel_options)
 
 
-@functools.cache
 def _program(recipe: Recipe, q_block: int, heads_per_kv: int, scale: float | None,
              kernel_options: tuple[tuple[str, object], ...]) -> Program:
     """The compiled attention for one set of constants (static shapes but for the sizes each
@@ -169,7 +167,8 @@ def contiguous_attention(
     mask = mask or build_contiguous_mask(layout, q_len, recipe)
     # queries in [B, L, H, D] memory order: the kernel writes its output in the same order,
     # so the result needs no copy (HF's queries usually are; one memory order, one graph)
-    q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    if not _in_hf_order(q):
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
     heads_per_kv = heads // k.shape[1] if q_len == 1 else 1
     if heads_per_kv > 1:
         q = q.reshape(batch, k.shape[1], heads_per_kv, dim)
@@ -179,12 +178,33 @@ def contiguous_attention(
     if torch.compiler.is_compiling():  # inside the user's compiled model: one graph with it
         out = _contiguous_attention(*tensors, *constants, dict(_traced_kernel_options(q.device)))
     elif compile:
-        torch_patches.install()
-        program = _program(*constants, tuple(_kernel_options(q.device).items()))
+        program = _compiled(q.device, *constants)
         out = program(tensors, _dynamic_sizes(q, k, v, mask, layout.valid, packed=heads_per_kv > 1))
     else:
         out = _contiguous_attention(*tensors, *constants, _kernel_options(q.device))
     return out.reshape(batch, 1, heads, dim) if heads_per_kv > 1 else out.transpose(1, 2)
+
+
+def _in_hf_order(q: Tensor) -> bool:
+    """Whether ``q`` ``[B, H, L, D]`` is laid out as ``[B, L, H, D]`` (``is_contiguous`` of its
+    transpose, in Python: this runs in every layer, where each dispatched call costs microseconds)."""
+    batch, heads, length, dim = q.shape
+    s_batch, s_head, s_length, s_dim = q.stride()
+    return ((s_dim == 1 or dim == 1) and (s_head == dim or heads == 1) and (s_length == heads * dim or length == 1)
+            and (s_batch == length * heads * dim or batch == 1))
+
+
+_COMPILED: dict[tuple, Program] = {}
+
+
+def _compiled(device: torch.device, recipe: Recipe, q_block: int, heads_per_kv: int, scale: float | None) -> Program:
+    """:func:`_program` for a call's constants, with flexpage's patches in and their kernel
+    options: one per process and set of constants, found by one dict lookup per call."""
+    key = (device, recipe, q_block, heads_per_kv, scale)
+    if key not in _COMPILED:
+        torch_patches.install()
+        _COMPILED[key] = _program(recipe, q_block, heads_per_kv, scale, tuple(_kernel_options(device).items()))
+    return _COMPILED[key]
 
 
 _KERNEL_OPTIONS: dict[tuple[torch.device, bool], dict] = {}

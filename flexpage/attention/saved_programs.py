@@ -136,7 +136,7 @@ def compiled_program(function: Callable[..., Tensor], *constants: object, saved:
 
 
 #: Inductor options of every program: no size, stride or alignment asserts in its Python wrapper.
-#: The guards (or :meth:`SavedProgram._metadata`) check a call's inputs; the asserts re-checked
+#: The guards (or :class:`_CallShape`) check a call's inputs; the asserts re-checked
 #: them and every buffer the graph hands its layer regions: ~40 checks per layer, 50 more per step
 _INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False}
 
@@ -181,26 +181,36 @@ class SavedProgram:
         self._unsaveable: Program | None = None
         names = list(inspect.signature(function).parameters)
         self._unguarded_positions = frozenset(i for i, name in enumerate(names) if name in unguarded)
-        #: (call metadata, global state, program) of the last call a program's guards accepted
-        self._last: tuple[tuple, Any, Any] | None = None
+        #: how each program (by id) runs a call its guards accepted (:func:`_graph_call` where it can)
+        self._runners: dict[int, Callable[[Sequence[object]], Tensor]] = {}
+        #: the last call a program's guards accepted
+        self._last: _Accepted | None = None
 
     def __call__(self, args: Sequence[object], dynamic: Sequence[tuple[Tensor, int]]) -> Tensor:
         if self._unsaveable is not None:
             return self._unsaveable(args, dynamic)
-        metadata = self._metadata(args)
         last = self._last
-        if last is not None and last[0] == metadata and last[1].check():
-            return last[2](*args)
+        if last is not None and last.global_state.check() and last.call.matches(args):
+            return last.run(args)
         program = next((p for p in self.programs if p.guard_check(*args)), None) or self._load_accepting(args)
-        if program is not None:
-            self._last = (metadata, torch._C._dynamo.guards.GlobalStateGuard(), program)
-            return program(*args)
-        program = self._compile(args, dynamic)
         if program is None:
-            return self._unsaveable(args, dynamic)  # type: ignore[misc]
-        self.programs.append(program)
-        self._last = (metadata, torch._C._dynamo.guards.GlobalStateGuard(), program)
-        return program(*args)
+            program = self._compile(args, dynamic)
+            if program is None:
+                return self._unsaveable(args, dynamic)  # type: ignore[misc]
+            self.programs.append(program)
+        runner = self._runners.get(id(program))
+        if runner is None:
+            runner = self._runners[id(program)] = _graph_call(program, args, dynamic) or _called_whole(program)
+        self._last = _Accepted(_CallShape(args, self._unguarded_positions),
+                               torch._C._dynamo.guards.GlobalStateGuard(), runner)
+        return self._last.run(args)
+
+    @property
+    def calls_graphs_directly(self) -> bool:
+        """Whether every program that ran a call here runs its Inductor graph directly
+        (:class:`_GraphCall`; tests read this: a torch upgrade that wraps graphs otherwise
+        loses the fast path silently)."""
+        return bool(self._runners) and all(isinstance(r, _GraphCall) for r in self._runners.values())
 
     def is_saved(self) -> bool:
         """Whether any program is saved under the key (one that accepts a given call or not)."""
@@ -231,19 +241,6 @@ class SavedProgram:
         self.compiled_here += 1
         self._save(program)
         return program
-
-    def _metadata(self, args: Sequence[object]) -> tuple:
-        """What a program's guards read of ``args`` (tensors' type, sizes, strides, dtype,
-        device, autograd state and which share memory; other values themselves), less the
-        unguarded arguments. A call equal in these to the last one a program accepted, under
-        the same global state (grad mode, ...), runs that program without checking its guards
-        again: ~15 us for ten tensors against ~150-250 us, and HF's 30 attention calls of a
-        forward differ only in their K/V tensors."""
-        tensors: list[Tensor] = []
-        described = tuple(None if i in self._unguarded_positions else _metadata(value, tensors)
-                          for i, value in enumerate(args))
-        storages = [t.untyped_storage().data_ptr() for t in tensors]
-        return described, tuple(storages.index(ptr) for ptr in storages)  # which tensors share memory
 
     def _load_accepting(self, args: Sequence[object]) -> Any | None:
         """Read saved programs, most recently used first, until one accepts ``args`` (None if
@@ -315,14 +312,185 @@ def prune(directory: pathlib.Path, max_bytes: int, keep: pathlib.Path | None = N
             total -= size
 
 
-def _metadata(value: object, tensors: list[Tensor]) -> object:
+@dataclasses.dataclass(frozen=True)
+class _Accepted:
+    """The last call a program's guards accepted: a call like it under the same global state
+    (grad mode, ...) runs the same program without checking its guards again (~150-250 us for
+    ten tensors; HF's 30 attention calls of a forward differ only in their K/V tensors)."""
+
+    call: _CallShape
+    global_state: Any  # torch._C._dynamo.guards.GlobalStateGuard
+    run: Callable[[Sequence[object]], Tensor]
+
+
+class _CallShape:
+    """What a program's guards read of a call's arguments, less the unguarded ones: the tensors'
+    type, dispatch keys, dtype, device, sizes and strides (checked in C++, ~1 us for ten), other
+    values themselves (tensors nested in them described in Python), and which tensors share memory."""
+
+    def __init__(self, args: Sequence[object], unguarded: frozenset[int]) -> None:
+        self._count = len(args)
+        self._tensor_positions = tuple(i for i, value in enumerate(args)
+                                       if i not in unguarded and isinstance(value, Tensor))
+        tensors = [args[i] for i in self._tensor_positions]
+        self._tensors = torch._C._dynamo.guards.TensorGuards(  # under the dispatch state of now, as accepted
+            *tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+            dynamic_dims_strides=[list(t.stride()) for t in tensors])
+        self._other_positions = tuple(i for i, value in enumerate(args)
+                                      if i not in unguarded and not isinstance(value, Tensor))
+        self._others, self._sharing = self._rest(args, tensors)
+
+    def matches(self, args: Sequence[object]) -> bool:
+        if len(args) != self._count:
+            return False
+        tensors = [args[i] for i in self._tensor_positions]
+        return self._tensors.check(*tensors) and self._rest(args, tensors) == (self._others, self._sharing)
+
+    def _rest(self, args: Sequence[object], tensors: list[Tensor]) -> tuple[tuple, tuple[int, ...]]:
+        """The other values' descriptions and the sharing pattern of every tensor's memory."""
+        tensors = list(tensors)
+        others = tuple(_described(args[i], tensors) for i in self._other_positions)
+        storages = [t.untyped_storage().data_ptr() for t in tensors]
+        if len(set(storages)) == len(storages):
+            return others, ()  # none shared (the usual case: no pattern to build)
+        return others, tuple(storages.index(ptr) for ptr in storages)
+
+
+def _described(value: object, tensors: list[Tensor]) -> object:
+    """``value`` as a program's guards read it (a tensor by its metadata, added to ``tensors``)."""
     if isinstance(value, Tensor):
         tensors.append(value)
         return (type(value), value.shape, value.stride(), value.dtype, value.device, value.requires_grad,
                 value.is_inference())
     if isinstance(value, (tuple, list)):
-        return (type(value), *(_metadata(item, tensors) for item in value))
+        return (type(value), *(_described(item, tensors) for item in value))
     return (type(value), value)
+
+
+def _called_whole(program: Any) -> Callable[[Sequence[object]], Tensor]:
+    """Run ``program`` as torch does: Dynamo's prologue (the graph's inputs from the arguments),
+    AOTAutograd's runtime wrappers, the graph."""
+    return lambda args: program(*args)
+
+
+class _GraphCall:
+    """A program's Inductor graph called with its inputs directly: each argument (``dim`` < 0)
+    or the size ``dim`` of one, in the graph's order. It skips what :func:`_called_whole` runs
+    around the graph -- ~10 us of Python per call in a loop, 50-60 us inside a model's forward,
+    where the interpreter's caches are cold -- which only rearranges inputs for programs like
+    these (:func:`_graph_call` says which)."""
+
+    def __init__(self, graph: Callable[[list], Sequence[Tensor]], sources: tuple[tuple[int, int], ...]) -> None:
+        self.graph = graph
+        self.sources = sources
+
+    def __call__(self, args: Sequence[object]) -> Tensor:
+        return self.graph([args[i] if dim < 0 else args[i].size(dim) for i, dim in self.sources])[0]  # type: ignore[union-attr]
+
+
+class _Probed(Exception):
+    pass
+
+
+def _graph_call(program: Any, args: Sequence[object], dynamic: Sequence[tuple[Tensor, int]]) -> _GraphCall | None:
+    """``program``'s graph as a :class:`_GraphCall`, or None where calling it directly could
+    differ from calling the program: a graph that writes to its inputs, a training graph,
+    a graph's input that is not an argument or one of the ``dynamic`` sizes, a graph torch
+    wraps otherwise than this torch version does (the walk finds no Inductor graph), or a
+    first call whose result differs in any bit from the program's."""
+    graph = _inductor_graph(program)
+    if graph is None or graph.mutated_input_idxs or graph.current_callable is None:
+        return None
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    if any(t.requires_grad for t in tensors) or len(tensors) != len({id(t) for t in tensors}):
+        return None
+    sources = _graph_inputs(program, args, dynamic)
+    if sources is None:
+        return None
+    call = _GraphCall(graph.current_callable, sources)
+    try:
+        expected, result = program(*args), call(args)
+    except Exception as error:  # noqa: BLE001 - any failure keeps the program's own call
+        log.debug("the program's graph cannot be called directly: %s", error)
+        return None
+    if not (isinstance(expected, Tensor) and isinstance(result, Tensor) and result.dtype == expected.dtype
+            and result.shape == expected.shape and result.stride() == expected.stride()
+            and torch.equal(result, expected)):
+        return None
+    return call
+
+
+def _inductor_graph(program: Any) -> Any | None:
+    """The Inductor graph under an ``aot_compile``'d program, or None: torch 2.13 wraps it in
+    the bundled AOTAutograd callable, functions that hold the next callable (``fn``,
+    ``compiled_fn``, ``_inner_compiled_fn``: the ``torch._dynamo.disable`` wrapper, AOTAutograd's
+    forward, its runtime wrapper) and a serialisable wrapper (``.compiled_fn``). A forward
+    that prepends parameters to the inputs is not followed."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    found = program._artifacts.compiled_fn
+    for _ in range(8):
+        if isinstance(found, CompiledFxGraph):
+            return found
+        code = getattr(found, "__code__", None)
+        cells = dict(zip(code.co_freevars, (c.cell_contents for c in found.__closure__ or ()))) if code else {}
+        if cells.get("params_buffers_flat"):
+            return None
+        found = next((cells[name] for name in ("_inner_compiled_fn", "compiled_fn", "fn") if name in cells),
+                     None) or getattr(found, "compiled_fn", None)
+    return None
+
+
+def _graph_inputs(program: Any, args: Sequence[object],
+                  dynamic: Sequence[tuple[Tensor, int]]) -> tuple[tuple[int, int], ...] | None:
+    """Where each of the graph's inputs comes from: ``(argument, -1)`` or ``(argument, dim)``
+    for a size. Found by running the program's prologue on stand-ins (meta tensors whose
+    dynamic sizes are all distinct) and recording what it hands the graph; None for an
+    input that is neither."""
+    function = program.fn
+    names = [n for n in function.__code__.co_names if n.startswith("__compiled_fn")]
+    if len(names) != 1:
+        return None
+    marked: dict[int, set[int]] = {}
+    for tensor, dim in dynamic:
+        marked.setdefault(id(tensor), set()).add(dim)
+    stand_ins: list[object] = []
+    origin: dict[int, tuple[int, int]] = {}  # a stand-in's distinct size -> (argument, dim)
+    for i, value in enumerate(args):
+        if isinstance(value, Tensor):
+            size = list(value.shape)
+            for dim in sorted(marked.get(id(value), ())):
+                size[dim] = 1_000_003 + 2 * len(origin)
+                origin[size[dim]] = (i, dim)
+            value = torch.empty_strided(size, value.stride(), dtype=value.dtype, device="meta")
+        stand_ins.append(value)
+    recorded: list[tuple] = []
+
+    def record(*inputs: object) -> None:
+        recorded.append(inputs)
+        raise _Probed
+
+    prologue = types.FunctionType(function.__code__, {**function.__globals__, names[0]: record},
+                                  function.__name__, function.__defaults__, function.__closure__)
+    try:
+        prologue(*stand_ins)
+    except _Probed:
+        pass
+    except Exception as error:  # noqa: BLE001
+        log.debug("the program's prologue did not run on stand-ins: %s", error)
+        return None
+    if len(recorded) != 1:
+        return None
+    positions = {id(value): i for i, value in enumerate(stand_ins) if isinstance(value, Tensor)}
+    sources = []
+    for item in recorded[0]:
+        if isinstance(item, Tensor) and id(item) in positions:
+            sources.append((positions[id(item)], -1))
+        elif type(item) is int and item in origin:
+            sources.append(origin[item])
+        else:
+            return None
+    return tuple(sources)
 
 
 def saveable_guards(unguarded: tuple[str, ...], guards: Sequence[GuardFilterEntry]) -> list[bool]:

@@ -39,6 +39,8 @@ class FlexpageMask:
 
     layout: RowLayout
     q_length: int
+    #: run the compiled program (``FLEXPAGE_COMPILE`` is not ``"0"``), read once per forward pass
+    compile: bool = True
     _built: dict[Recipe, ContiguousMask] = field(default_factory=dict)  # keyed by recipe object, not name
     #: HF's mask step treats an ``attention_mask`` whose ``ndim`` is not 2 as already built: ``generate``
     #: with a static cache builds the step's mask ahead and hands it to the forward
@@ -77,7 +79,8 @@ def flexpage_mask(
         valid = full[:, kv_offset : kv_offset + kv_length]
         if valid.shape[1] < kv_length:  # the cache holds positions the 2D mask does not cover yet
             valid = torch.nn.functional.pad(valid, (0, kv_length - valid.shape[1]), value=True)
-    return FlexpageMask(RowLayout(valid, shift, q_offset, kv_offset), q_length)
+    return FlexpageMask(RowLayout(valid, shift, q_offset, kv_offset), q_length,
+                        compile=os.environ.get("FLEXPAGE_COMPILE", "1") != "0")
 
 
 def flexpage_attention_forward(
@@ -99,9 +102,8 @@ def flexpage_attention_forward(
     if kwargs.get("s_aux") is not None:
         raise ValueError("s_aux: attention sinks are not supported by attn_implementation='flexpage'")
     recipe = recipe_for(sliding_window, softcap)
-    compile = os.environ.get("FLEXPAGE_COMPILE", "1") != "0"
     out = contiguous_attention(
-        query, key, value, attention_mask.layout, recipe, scale=scaling, compile=compile,
+        query, key, value, attention_mask.layout, recipe, scale=scaling, compile=attention_mask.compile,
         mask=attention_mask.block_mask(recipe),
     )
     return out, None
