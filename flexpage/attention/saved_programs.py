@@ -25,7 +25,9 @@ import enum
 import functools
 import hashlib
 import inspect
+import itertools
 import logging
+import operator
 import pathlib
 import platform
 import types
@@ -373,19 +375,23 @@ def _called_whole(program: Any) -> Callable[[Sequence[object]], Tensor]:
     return lambda args: program(*args)
 
 
-class _GraphCall:
-    """A program's Inductor graph called with its inputs directly: each argument (``dim`` < 0)
-    or the size ``dim`` of one, in the graph's order. It skips what :func:`_called_whole` runs
-    around the graph -- ~10 us of Python per call in a loop, 50-60 us inside a model's forward,
-    where the interpreter's caches are cold -- which only rearranges inputs for programs like
-    these (:func:`_graph_call` says which)."""
+#: where a graph's input comes from: an argument (getter None) or a number read off one
+_Source = tuple[int, Callable[[Tensor], int] | None]
 
-    def __init__(self, graph: Callable[[list], Sequence[Tensor]], sources: tuple[tuple[int, int], ...]) -> None:
+
+class _GraphCall:
+    """A program's Inductor graph called with its inputs directly: arguments and the sizes,
+    strides and storage offsets read off them, in the graph's order. It skips what
+    :func:`_called_whole` runs around the graph -- ~10 us of Python per call in a loop, 50-60 us
+    inside a model's forward, where the interpreter's caches are cold -- which only rearranges
+    inputs for programs like these (:func:`_graph_call` says which)."""
+
+    def __init__(self, graph: Callable[[list], Sequence[Tensor]], sources: tuple[_Source, ...]) -> None:
         self.graph = graph
         self.sources = sources
 
     def __call__(self, args: Sequence[object]) -> Tensor:
-        return self.graph([args[i] if dim < 0 else args[i].size(dim) for i, dim in self.sources])[0]  # type: ignore[union-attr]
+        return self.graph([args[i] if read is None else read(args[i]) for i, read in self.sources])[0]  # type: ignore[arg-type]
 
 
 class _Probed(Exception):
@@ -395,29 +401,43 @@ class _Probed(Exception):
 def _graph_call(program: Any, args: Sequence[object], dynamic: Sequence[tuple[Tensor, int]]) -> _GraphCall | None:
     """``program``'s graph as a :class:`_GraphCall`, or None where calling it directly could
     differ from calling the program: a graph that writes to its inputs, a training graph,
-    a graph's input that is not an argument or one of the ``dynamic`` sizes, a graph torch
-    wraps otherwise than this torch version does (the walk finds no Inductor graph), or a
-    first call whose result differs in any bit from the program's."""
-    graph = _inductor_graph(program)
-    if graph is None or graph.mutated_input_idxs or graph.current_callable is None:
-        return None
-    tensors = [a for a in args if isinstance(a, Tensor)]
-    if any(t.requires_grad for t in tensors) or len(tensors) != len({id(t) for t in tensors}):
-        return None
-    sources = _graph_inputs(program, args, dynamic)
+    a graph's input that is neither an argument nor a number read off one (a size marked
+    dynamic, a stride, a storage offset), a graph torch wraps otherwise than this torch
+    version does (the walk finds no Inductor graph), or a first call whose result differs
+    in any bit from the program's."""
+    reason = _why_not_direct(program, args)
+    sources = None if reason else _graph_inputs(program, args, dynamic)
     if sources is None:
+        log.debug("a program's graph is not called directly: %s",
+                  reason or "an input of the graph is neither an argument nor read off one")
         return None
-    call = _GraphCall(graph.current_callable, sources)
+    call = _GraphCall(_inductor_graph(program).current_callable, sources)
     try:
         expected, result = program(*args), call(args)
     except Exception as error:  # noqa: BLE001 - any failure keeps the program's own call
-        log.debug("the program's graph cannot be called directly: %s", error)
+        log.debug("calling a program's graph directly failed: %s", error)
         return None
     if not (isinstance(expected, Tensor) and isinstance(result, Tensor) and result.dtype == expected.dtype
             and result.shape == expected.shape and result.stride() == expected.stride()
             and torch.equal(result, expected)):
+        log.debug("a program's graph called directly gave another result than the program")
         return None
     return call
+
+
+def _why_not_direct(program: Any, args: Sequence[object]) -> str:
+    """Why ``program``'s graph must not be called directly ("" if it may)."""
+    graph = _inductor_graph(program)
+    if graph is None or graph.current_callable is None:
+        return "no Inductor graph found under it"
+    if graph.mutated_input_idxs:
+        return "it writes to its inputs"
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    if any(t.requires_grad for t in tensors):
+        return "an argument requires grad"
+    if len(tensors) != len({id(t) for t in tensors}):
+        return "a tensor is passed twice"
+    return ""
 
 
 def _inductor_graph(program: Any) -> Any | None:
@@ -442,11 +462,10 @@ def _inductor_graph(program: Any) -> Any | None:
 
 
 def _graph_inputs(program: Any, args: Sequence[object],
-                  dynamic: Sequence[tuple[Tensor, int]]) -> tuple[tuple[int, int], ...] | None:
-    """Where each of the graph's inputs comes from: ``(argument, -1)`` or ``(argument, dim)``
-    for a size. Found by running the program's prologue on stand-ins (meta tensors whose
-    dynamic sizes are all distinct) and recording what it hands the graph; None for an
-    input that is neither."""
+                  dynamic: Sequence[tuple[Tensor, int]]) -> tuple[_Source, ...] | None:
+    """Where each of the graph's inputs comes from, found by running the program's prologue on
+    stand-ins (meta tensors whose dynamic sizes, strides and storage offsets are all distinct
+    numbers) and recording what it hands the graph; None for an input that is none of these."""
     function = program.fn
     names = [n for n in function.__code__.co_names if n.startswith("__compiled_fn")]
     if len(names) != 1:
@@ -454,15 +473,18 @@ def _graph_inputs(program: Any, args: Sequence[object],
     marked: dict[int, set[int]] = {}
     for tensor, dim in dynamic:
         marked.setdefault(id(tensor), set()).add(dim)
+    distinct = itertools.count(1_000_003, 2)
+    origin: dict[int, _Source] = {}  # a stand-in's distinct number -> where it was read
     stand_ins: list[object] = []
-    origin: dict[int, tuple[int, int]] = {}  # a stand-in's distinct size -> (argument, dim)
     for i, value in enumerate(args):
         if isinstance(value, Tensor):
-            size = list(value.shape)
-            for dim in sorted(marked.get(id(value), ())):
-                size[dim] = 1_000_003 + 2 * len(origin)
-                origin[size[dim]] = (i, dim)
-            value = torch.empty_strided(size, value.stride(), dtype=value.dtype, device="meta")
+            size = [next(distinct) if dim in marked.get(id(value), ()) else n for dim, n in enumerate(value.shape)]
+            stride = [next(distinct) for _ in size]
+            offset = next(distinct)
+            origin.update({n: (i, operator.methodcaller("size", dim)) for dim, n in enumerate(size) if n > 1_000_000})
+            origin.update({n: (i, operator.methodcaller("stride", dim)) for dim, n in enumerate(stride)})
+            origin[offset] = (i, operator.methodcaller("storage_offset"))
+            value = torch.empty(0, dtype=value.dtype, device="meta").as_strided(size, stride, offset)
         stand_ins.append(value)
     recorded: list[tuple] = []
 
@@ -482,10 +504,10 @@ def _graph_inputs(program: Any, args: Sequence[object],
     if len(recorded) != 1:
         return None
     positions = {id(value): i for i, value in enumerate(stand_ins) if isinstance(value, Tensor)}
-    sources = []
+    sources: list[_Source] = []
     for item in recorded[0]:
         if isinstance(item, Tensor) and id(item) in positions:
-            sources.append((positions[id(item)], -1))
+            sources.append((positions[id(item)], None))
         elif type(item) is int and item in origin:
             sources.append(origin[item])
         else:
