@@ -478,11 +478,13 @@ def _graph_inputs(program: Any, args: Sequence[object],
     stand_ins: list[object] = []
     for i, value in enumerate(args):
         if isinstance(value, Tensor):
-            size = [next(distinct) if dim in marked.get(id(value), ()) else n for dim, n in enumerate(value.shape)]
+            size = list(value.shape)
+            for dim in marked.get(id(value), ()):
+                size[dim] = next(distinct)
+                origin[size[dim]] = (i, operator.methodcaller("size", dim))
             stride = [next(distinct) for _ in size]
-            offset = next(distinct)
-            origin.update({n: (i, operator.methodcaller("size", dim)) for dim, n in enumerate(size) if n > 1_000_000})
             origin.update({n: (i, operator.methodcaller("stride", dim)) for dim, n in enumerate(stride)})
+            offset = next(distinct)
             origin[offset] = (i, operator.methodcaller("storage_offset"))
             value = torch.empty(0, dtype=value.dtype, device="meta").as_strided(size, stride, offset)
         stand_ins.append(value)
