@@ -275,6 +275,38 @@ def test_a_rank_that_dies_or_hangs_mid_request_ends_the_server_with_an_error(fau
         server.stop()
 
 
+def test_a_rank_that_hangs_between_requests_fails_the_next_one_within_the_timeout(tiny_model):
+    """A rank stopped while it waits for rank 0's next command cannot take that command: sending
+    it is bounded by the tensor-parallel timeout too (gloo's send waits for the receiver), so the
+    next request fails with a RankFailure instead of waiting forever."""
+    folder = tiny_model("llama", num_key_value_heads=4)
+    script = textwrap.dedent(f"""
+        import os, signal, time
+        from flexpage import LLM, SamplingParams
+        from flexpage.model.tensor_parallel import RankFailure
+        llm = LLM({str(folder)!r}, dtype="float32", compile=False, num_blocks=64, tensor_parallel_size=2,
+                  tensor_parallel_timeout=3)
+        prompt = [{{"prompt_token_ids": [5, 6, 7]}}]
+        llm.generate(prompt, SamplingParams(max_tokens=2))
+        [worker] = llm.engine.runner.group.workers
+        os.kill(worker.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        try:
+            llm.generate(prompt, SamplingParams(max_tokens=2))
+        except RankFailure as error:
+            print("failed after", time.monotonic() - start, "s:", error, flush=True)
+        finally:
+            os.kill(worker.pid, signal.SIGKILL)
+    """)
+    try:
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired as hung:
+        raise AssertionError(f"the request waited for the stopped rank past 90 s: {hung.stdout}") from None
+    failed = [line for line in run.stdout.splitlines() if line.startswith("failed after")]
+    assert failed, (run.stdout, run.stderr[-3000:])
+    assert float(failed[0].split()[2]) < 20, failed[0]
+
+
 def test_a_killed_rank_0_takes_its_spawned_ranks_with_it(tiny_model):
     folder = tiny_model("llama", num_key_value_heads=4)
     script = textwrap.dedent(f"""

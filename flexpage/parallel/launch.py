@@ -14,7 +14,8 @@ the default group meets the ranks and carries the start-up messages (:data:`STAR
 processes start, import torch and load the model); the forward's collectives run on a group
 whose timeout (``tensor_parallel_timeout``) bounds how long a rank waits for a hung peer; rank
 0's commands go out on a group with no practical timeout, because between requests the other
-ranks wait for the next one as long as the server idles.
+ranks wait for the next one as long as the server idles; rank 0's side of each command waits at
+most ``tensor_parallel_timeout`` for them to take it (``Group.send_timeout``).
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ class Group:
 
     parallel: TensorParallel
     commands: dist.ProcessGroup  # rank 0's commands to the others (see the module docstring)
+    #: how long rank 0 waits for every rank to take a command (gloo's send waits for the
+    #: receiver: a hung rank would hold it forever); the forward's collectives' timeout
+    send_timeout: timedelta
     workers: list[subprocess.Popen] = field(default_factory=list)  # spawned here; empty under torchrun
     threads_before: int = 0  # rank 0's torch threads before the host's cores were split (restored at stop)
 
@@ -117,7 +121,8 @@ def start_group(size: int, spec: WorkerSpec) -> Group:
         torch.set_num_threads(threads_before)
         raise
     forward, commands = _step_groups(spec.timeout_s)
-    return Group(TensorParallel(0, size, forward), commands, workers, threads_before)
+    return Group(TensorParallel(0, size, forward), commands, timedelta(seconds=spec.timeout_s), workers,
+                 threads_before)
 
 
 def _step_groups(timeout_s: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

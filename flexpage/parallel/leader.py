@@ -101,9 +101,9 @@ class LeaderRunner:
         if self.closed or self.failure is not None:
             raise RankFailure(f"tensor parallel group is {'closed' if self.closed else 'out of step'}")
         try:
-            dist.broadcast(header, 0, group=self.group.commands)
-            if payload.numel():
-                dist.broadcast(payload, 0, group=self.group.commands)
+            for tensor in (header, payload) if payload.numel() else (header,):
+                work = dist.broadcast(tensor, 0, group=self.group.commands, async_op=True)
+                work.wait(timeout=self.group.send_timeout)
         except Exception as error:
             raise self._failure(error) from error
 
