@@ -14,7 +14,10 @@ the recipe's functions and the values they close over, kernel options with the C
 ISA, the attention groups). Guards check the rest -- tensor dtypes, shapes, strides, the
 grad mode -- when a call's tensors differ from the last accepted call's; a call no saved
 program accepts compiles one more and saves it. The programs are called directly, not
-through Dynamo's frame evaluation (~265 us of a 360 us HF attention call on 2 cores).
+through Dynamo's frame evaluation, and a program whose graph only reads its inputs (the HF
+backend's attention) calls that graph itself, without Dynamo's prologue and AOTAutograd's
+wrappers (:class:`_GraphCall`): inside a model's forward a decode attention call went from
+~190 to ~100-130 us on 2 cores, its kernel ~30 us.
 """
 
 from __future__ import annotations
