@@ -17,7 +17,7 @@ program accepts compiles one more and saves it. The programs are called directly
 through Dynamo's frame evaluation, and a program whose graph only reads its inputs (the HF
 backend's attention) calls that graph itself, without Dynamo's prologue and AOTAutograd's
 wrappers (:class:`_GraphCall`): inside a model's forward a decode attention call went from
-~190 to ~100-130 us on 2 cores, its kernel ~30 us.
+~190 to ~100-150 us on 2 cores, its kernel ~30 us.
 """
 
 from __future__ import annotations
