@@ -408,13 +408,14 @@ def _graph_call(program: Any, args: Sequence[object], dynamic: Sequence[tuple[Te
     dynamic, a stride, a storage offset), a graph torch wraps otherwise than this torch
     version does (the walk finds no Inductor graph), or a first call whose result differs
     in any bit from the program's."""
-    reason = _why_not_direct(program, args)
+    graph = _inductor_graph(program)
+    reason = _why_not_direct(graph, args)
     sources = None if reason else _graph_inputs(program, args, dynamic)
     if sources is None:
         log.debug("a program's graph is not called directly: %s",
                   reason or "an input of the graph is neither an argument nor read off one")
         return None
-    call = _GraphCall(_inductor_graph(program).current_callable, sources)
+    call = _GraphCall(graph.current_callable, sources)
     try:
         expected, result = program(*args), call(args)
     except Exception as error:  # noqa: BLE001 - any failure keeps the program's own call
@@ -433,9 +434,9 @@ def _same_bits(a: Tensor, b: Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
-def _why_not_direct(program: Any, args: Sequence[object]) -> str:
-    """Why ``program``'s graph must not be called directly ("" if it may)."""
-    graph = _inductor_graph(program)
+def _why_not_direct(graph: Any | None, args: Sequence[object]) -> str:
+    """Why a program's Inductor ``graph`` (None: not found) must not be called directly with
+    ``args`` ("" if it may)."""
     if graph is None or graph.current_callable is None:
         return "no Inductor graph found under it"
     if graph.mutated_input_idxs:
