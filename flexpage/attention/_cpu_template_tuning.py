@@ -85,7 +85,7 @@ DETERMINISTIC_OPTION = "FLEXPAGE_DETERMINISTIC_CPU_TEMPLATE"
 #: only with :data:`TUNED_OPTION`, never deterministic
 DOT_BF16_OPTION = "FLEXPAGE_AVX512_BF16_DOT"
 DOT_BF16_ENV_SWITCH = "FLEXPAGE_BF16_DOT"  # "0": stock bf16 micro-gemms (for comparisons)
-TUNING_VERSION = 31  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
+TUNING_VERSION = 32  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
 # 6: no K/V packing buffers unless packing; 7: only the visited key blocks are packed;
 # 12: float32 prefill micro-gemms block up to 16 rows (8-11: experiments);
 # 13: AVX2 kernels never pack and keep stock micro-gemms; 14-15: deterministic kernels;
@@ -95,7 +95,7 @@ TUNING_VERSION = 31  # 2: float32 kernels stay stock; 5: lean per-key-block work
 # 22: no stock q @ k^T fallback where the head dimension is a known multiple of the helper's step;
 # 23: a tail of rows computed in power-of-two row blocks; 24: items handed to threads one at a time;
 # 25-26: bf16 prefill micro-gemms in whole 16-row blocks (_dot_bf16.h rows_of_16), AVX512-BF16 probabilities, row max
-# 27-31: a bf16/fp16 visit of few query rows (decode) prefetches its block's values and the next block (27-30: experiments)
+# 27-32: a bf16/fp16 visit of few query rows (decode) prefetches its block's values and the next block (27-30: experiments)
 _MAX_BLOCK_M = 16  # float32 prefill: 8 rows 10-15% slower, 32 no faster
 _MIN_FP32_BLOCKED_ROWS = 16  # decode blocks (1-8 packed query heads) keep one-row blocking in float32
 _STOCK_PV_BRANCH = "          if (!std::is_same_v<scalar_t, at::Half>) {\n            at::native::cpublas::brgemm("
@@ -414,18 +414,18 @@ _LEAN_EDITS = (
     # A visit of few query rows (a decode token's packed heads) does little work per byte of the
     # block it reads, and a decode call reads each block once, from memory: its loads waited on
     # the block's first lines while the hardware prefetcher found each 16 KB block anew. Here the
-    # visit starts the reads of its block's values (read after q @ k^T and the softmax) and of the
-    # next block's keys and values (bf16 GQA decode call, batch 32 of 300-1,100 tokens, KV from
-    # memory: 1.33-1.39 -> 1.09-1.19 ms, AMD EPYC Zen 4). Whole prefill query blocks revisit cached
-    # blocks, and float32 decode (256-token blocks, P @ V on MKL's sgemm) measured 5-10% slower
-    # with it: both left alone.
-    ("""        auto cur_n = n/kvSplitSize;
+    # visit starts the reads of its block's visible values (read after q @ k^T and the softmax)
+    # and of the next block's keys and values (bf16 GQA decode call, batch 32 of 300-1,100
+    # tokens, KV from memory: 1.33-1.39 -> 1.09-1.19 ms, AMD EPYC Zen 4). Whole prefill query
+    # blocks revisit cached blocks, and float32 decode (256-token blocks, P @ V on MKL's sgemm)
+    # measured 5-10% slower with it: both left alone.
+    ("""        auto i_kv = is_broadcast_bs_kv ? i/bs_shards : i;
+        auto j_kv = is_broadcast_head_kv ? j/gqa_shards : j;
 """,
-     """        auto cur_n = n/kvSplitSize;
+     """        auto i_kv = is_broadcast_bs_kv ? i/bs_shards : i;
+        auto j_kv = is_broadcast_head_kv ? j/gqa_shards : j;
         if (is_reduced_type && !need_pack && cur_qSplitSize <= 16) {  // flexpage: this block's V and the next block's K and V on their way
           const int64_t row_bytes = headSize * static_cast<int64_t>(sizeof(scalar_t));
-          const int64_t pi_kv = is_broadcast_bs_kv ? i/bs_shards : i;
-          const int64_t pj_kv = is_broadcast_head_kv ? j/gqa_shards : j;
           auto prefetch_rows = [row_bytes](const scalar_t* rows, int64_t count, int64_t stride) {
             for (int64_t r = 0; r < count; ++r) {
               for (int64_t b = 0; b < row_bytes; b += 64) {
@@ -433,14 +433,13 @@ _LEAN_EDITS = (
               }
             }
           };
-          prefetch_rows(v_data + pi_kv * vStrideB + pj_kv * vStrideH + n * vStrideN,
-                        std::min(kvSplitSize, kvSize - n), vStrideN);
+          prefetch_rows(v_data + i_kv * vStrideB + j_kv * vStrideH + n * vStrideN, cur_kvSplitSize, vStrideN);
           if (n_idx + 1 < kv_indice_num + full_kv_indice_num) {
             const int64_t next = (n_idx + 1 < kv_indice_num ? kv_indice_list[n_idx + 1]
                                   : full_kv_indice_list[n_idx + 1 - kv_indice_num]) * kvSplitSize;
             const int64_t next_rows = std::min(kvSplitSize, kvSize - next);
-            prefetch_rows(k_data + pi_kv * kStrideB + pj_kv * kStrideH + next * kStrideN, next_rows, kStrideN);
-            prefetch_rows(v_data + pi_kv * vStrideB + pj_kv * vStrideH + next * vStrideN, next_rows, vStrideN);
+            prefetch_rows(k_data + i_kv * kStrideB + j_kv * kStrideH + next * kStrideN, next_rows, kStrideN);
+            prefetch_rows(v_data + i_kv * vStrideB + j_kv * vStrideH + next * vStrideN, next_rows, vStrideN);
           }
         }
 """),
