@@ -94,6 +94,43 @@ def test_runs_fall_back_to_loose_blocks_when_no_run_is_whole() -> None:
     assert bm.pool.num_free == 7 and bm.pool.num_free_runs == 1
 
 
+def _full_pool_of_runs_of_4() -> BlockPool:
+    """Runs of 4, every block in use: run 1 (blocks 4-7) and run 2 (8-11) filled first, as
+    whole free runs, then run 0's blocks 1-3 (never whole: block 0 is the null block)."""
+    pool, taken = BlockPool(12, run_length=4), []
+    for length in (4, 4, 3):
+        taken.append(pool.allocate())
+        for _ in range(length - 1):
+            taken.append(pool.allocate(after=taken[-1]))
+    assert taken == [4, 5, 6, 7, 8, 9, 10, 11, 1, 2, 3] and pool.num_free == 0
+    return pool
+
+
+def test_a_growing_sequence_takes_any_free_block_of_its_run_before_leaving_it() -> None:
+    """The kernel reads a run as one key block whatever the order of its pages: a free block
+    anywhere in the caller's run beats the first block of another run."""
+    pool = _full_pool_of_runs_of_4()
+    for block in (9, 10, 5, 6):  # run 2's free blocks are the oldest
+        pool.decref(block)
+    assert pool.allocate(after=7) == 5  # not adjacent, same run
+    assert pool.allocate(after=8) == 9  # the successor first when it is free
+    assert pool.allocate(after=9) == 10
+
+
+def test_without_free_or_idle_runs_a_new_block_goes_to_the_run_with_the_most_free_blocks() -> None:
+    """Where a sequence must start among loose blocks, it starts where its next blocks can
+    follow in the same run, not at whichever free block was released first."""
+    pool = _full_pool_of_runs_of_4()
+    for block in (6, 8, 9, 11):  # run 1: one free block (the oldest), run 2: three
+        pool.decref(block)
+    first = pool.allocate()
+    assert first == 8
+    assert pool.allocate(after=first) == 9
+    assert pool.allocate(after=9) == 11
+    assert pool.allocate(after=11) == 6  # run 2 is full: the only other free block
+    assert pool.num_free == 0 and pool.num_free_runs == 0
+
+
 def _pool_of_cached_runs(*owners_of_blocks_in_use: int) -> tuple[BlockPool, list[int]]:
     """Runs of 4: run 0 (blocks 1-3) free, runs 1 (4-7) and 2 (8-11) filled and released, run 1
     first, all blocks cached -- except that sequence ``i`` in ``owners_of_blocks_in_use`` keeps
@@ -140,10 +177,21 @@ def test_a_revived_block_makes_its_run_busy_and_its_release_makes_it_the_newest_
     assert pool.allocate() == 4 and evicted[4:] == [4, 5, 6, 7]
 
 
-def test_without_idle_runs_a_full_pool_falls_back_to_loose_blocks_then_lru_blocks() -> None:
-    pool, evicted = _pool_of_cached_runs(1, 2)
-    assert [pool.allocate() for _ in range(3)] == [1, 2, 3]  # run 0's loose blocks
-    assert pool.allocate() == 5 and evicted == [5]  # then the LRU cached block
+def test_without_free_or_idle_runs_a_sequence_fills_the_run_with_the_most_blocks_not_in_use() -> None:
+    """Cached blocks count as room (they are evicted, the LRU order aside): a run of three
+    cached blocks beats a lone free block elsewhere, and a growing sequence uses up its run
+    before it leaves it."""
+    pool, evicted = _full_pool_of_runs_of_4(), []
+    pool.on_evict = lambda block_id, _hash: evicted.append(block_id)
+    for block in (5, 6, 7):
+        pool.set_hash(block, f"block {block}".encode())
+        pool.decref(block)  # cached
+    pool.decref(2)  # free
+    first = pool.allocate()
+    assert first == 5 and evicted == [5]
+    assert [pool.allocate(after=first), pool.allocate(after=6)] == [6, 7] and evicted == [5, 6, 7]
+    assert pool.allocate(after=7) == 2  # run 1 is full
+    assert pool.num_free == 0 and pool.num_cached == 0
 
 
 def test_prefix_hit_across_requests() -> None:

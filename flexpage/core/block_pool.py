@@ -1,32 +1,40 @@
-"""Physical KV blocks: ref counts, the prefix-cache index and LRU eviction.
+"""Physical KV blocks: ref counts, the prefix-cache index and eviction.
 
 Every device block is in exactly one of three states:
 
 * **free**: ref count 0, no hash. Holds nothing worth keeping.
 * **cached**: ref count 0 but still indexed by its content hash. Its KV is
   valid and a later request with the same prefix can revive it, but it may be
-  evicted (hash dropped) whenever a fresh block is needed and no free block is
-  left. Cached blocks are evicted least-recently-released first.
+  evicted (hash dropped) whenever a fresh block is needed. Without runs (below),
+  cached blocks are evicted least-recently-released first, and only when no block
+  is free.
 * **used**: ref count > 0 (referenced by that many block-table entries).
 
 Block 0 is the NULL block: never handed out, never counted. Padding entries in
 block tables point at it, so a stray read through padding hits harmless memory.
 
-Allocation prefers free blocks and only then evicts cached ones, so a warm
-prefix cache survives for as long as the pool has slack (with runs, an idle run's cached
-blocks go before loose free blocks: see below).
+A warm prefix cache survives for as long as the pool has wholly free runs; past that,
+allocation places blocks where the attention kernel reads them cheaply and evicts what is
+in the way (see below).
 
 **Runs.** Blocks ``r*R .. r*R+R-1`` form run ``r`` (``run_length`` R). The attention
 kernel reads a run as one key block, and pays per key block it visits, so a sequence
-should fill whole runs: :meth:`BlockPool.allocate` continues the caller's run when the
-next block is free and otherwise starts a wholly free run. When none is left -- a pool
-that has served for a while is full of cached blocks -- it takes the least recently
-released *idle* run (no block in use, some cached), evicting that run's cached blocks
-together, and only then falls back to loose free blocks and single LRU evictions
-(placement only affects speed, never correctness). Without idle runs, a full pool
-scattered every new sequence over blocks of other runs: once the cache had filled the
-pool, decode rows of the 48-prompt workload visited ~3x the key blocks they needed and
-throughput fell to 0.81x that of an engine without prefix caching (``bench/pool_reuse.py``). This is vAttention's point -- attention wants contiguous KV --
+should fill whole runs: :meth:`BlockPool.allocate` continues the caller's run while it has
+a block not in use (any: the order of pages within a run does not matter to the kernel; a
+free one first, else the run's least recently released cached block is evicted) and
+otherwise starts a wholly free run. When none is left -- a pool that has served for a while
+is full of cached blocks -- it takes the least recently released *idle* run (no block in
+use, some cached), evicting that run's cached blocks together, and then the run with the
+most blocks not in use, where the caller's next blocks can follow (placement only affects
+speed, never correctness; cached blocks are evicted by place, least recently released
+first only within a run). Without idle runs, a full pool scattered every new sequence over
+blocks of other runs: once the cache had filled the pool, decode rows of the 48-prompt
+workload visited ~3x the key blocks they needed and throughput fell to 0.81x that of an
+engine without prefix caching (``bench/pool_reuse.py``). Taking the oldest free block
+wherever it lay, then the globally least recently released cached block, and continuing a
+run only at the very next block, did the same to sequences coming and going in a full pool:
+decode rows of the multi-turn chat workload visited 5x the key blocks they needed
+(``bench/multiturn.py``). This is vAttention's point -- attention wants contiguous KV --
 kept within PagedAttention's small blocks.
 """
 
@@ -86,20 +94,28 @@ class BlockPool:
         self.run_length = run_length
         self._ref: list[int] = [0] * num_blocks
         self._hash: list[BlockHash | None] = [None] * num_blocks
-        # free blocks: whole free runs (oldest first), and loose free blocks in runs partly in use
+        # free blocks: whole free runs (oldest first), and loose free blocks (in runs partly in
+        # use or cached) per run
         num_runs = -(-num_blocks // run_length)
         self._run_free = [0] * num_runs
         self._free_runs: OrderedDict[int, None] = OrderedDict()
-        self._loose: OrderedDict[int, None] = OrderedDict()
+        self._run_loose: list[dict[int, None]] = [{} for _ in range(num_runs)]
+        self._num_loose = 0
         # per run: blocks in use and cached blocks; idle runs (none in use, some cached, never
         # run 0, which holds the null block), least recently released first
         self._run_used = [0] * num_runs
         self._run_cached = [0] * num_runs
         self._idle_runs: OrderedDict[int, None] = OrderedDict()
+        # runs not wholly free, filed by their blocks not in use (free or cached): where a
+        # sequence starts when no run is wholly free or idle
+        self._runs_by_available: list[dict[int, None]] = [{} for _ in range(run_length + 1)]
+        self._filed_available = [0] * num_runs
         for block_id in range(1, num_blocks):
             self._release(block_id)
-        # ref-0 hashed blocks, least recently released first.
+        # ref-0 hashed blocks, least recently released first; when each was released
         self._cached: OrderedDict[int, None] = OrderedDict()
+        self._released_at = [0] * num_blocks
+        self._releases = 0
         self._by_hash: dict[BlockHash, int] = {}
         self._num_used = 0
         self.num_evictions = 0
@@ -110,7 +126,7 @@ class BlockPool:
     # -- counters ------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._loose) + self.run_length * len(self._free_runs)
+        return self._num_loose + self.run_length * len(self._free_runs)
 
     @property
     def num_free_runs(self) -> int:
@@ -146,25 +162,56 @@ class BlockPool:
     # -- free-block bookkeeping ------------------------------------------------
     def _release(self, block_id: int) -> None:
         run = block_id // self.run_length
+        loose = self._run_loose[run]
         self._run_free[run] += 1
         if self._run_free[run] == self.run_length:  # the whole run is free again
-            for other in self._run_blocks(run):
-                if other != block_id:
-                    del self._loose[other]
+            self._num_loose -= len(loose)
+            loose.clear()
             self._free_runs[run] = None
         else:
-            self._loose[block_id] = None
+            loose[block_id] = None
+            self._num_loose += 1
+        self._refile(run)
 
     def _take(self, block_id: int) -> None:
         run = block_id // self.run_length
+        loose = self._run_loose[run]
         if run in self._free_runs:  # breaking a whole run: its other blocks become loose
             del self._free_runs[run]
-            for other in self._run_blocks(run):
-                if other != block_id:
-                    self._loose[other] = None
+            loose.update(dict.fromkeys(b for b in self._run_blocks(run) if b != block_id))
+            self._num_loose += len(loose)
         else:
-            del self._loose[block_id]
+            del loose[block_id]
+            self._num_loose -= 1
         self._run_free[run] -= 1
+        self._refile(run)
+
+    def _refile(self, run: int) -> None:
+        """File ``run`` under its blocks not in use, after a change (wholly free runs: not filed)."""
+        available = 0 if run in self._free_runs else self._run_free[run] + self._run_cached[run]
+        filed = self._filed_available[run]
+        if available != filed:
+            if filed:
+                del self._runs_by_available[filed][run]
+            if available:
+                self._runs_by_available[available][run] = None
+            self._filed_available[run] = available
+
+    def _most_available_run(self) -> int:
+        """The run with the most blocks not in use (the earliest filed of those); one must exist."""
+        return next(next(iter(runs)) for runs in reversed(self._runs_by_available) if runs)
+
+    def _take_in_run(self, run: int, preferred: int | None = None) -> int:
+        """A free block of ``run`` (``preferred`` if free), else its least recently released
+        cached block, evicted; the run must have either."""
+        loose = self._run_loose[run]
+        if loose:
+            block_id = preferred if preferred in loose else next(iter(loose))
+            self._take(block_id)
+        else:
+            block_id = min((b for b in self._run_blocks(run) if b in self._cached), key=self._released_at.__getitem__)
+            self._evict(block_id)
+        return block_id
 
     def _run_blocks(self, run: int) -> range:
         return range(run * self.run_length, min((run + 1) * self.run_length, self.num_blocks))
@@ -177,6 +224,7 @@ class BlockPool:
         del self._by_hash[block_hash]  # type: ignore[arg-type]
         self._hash[block_id] = None
         self._run_cached[block_id // self.run_length] -= 1
+        self._refile(block_id // self.run_length)
         return block_hash  # type: ignore[return-value]
 
     def _evict(self, block_id: int) -> None:
@@ -200,25 +248,21 @@ class BlockPool:
     def allocate(self, after: int | None = None) -> int:
         """A fresh block with ref count 1.
 
-        ``after`` is the block that precedes the new one in the caller's block table:
-        its successor is taken when free and in the same run. Otherwise the first block
-        of a wholly free run, else of the least recently released idle run (its cached
-        blocks evicted), else any free block, else the LRU cached block is evicted.
+        ``after`` is the block that precedes the new one in the caller's block table: while
+        its run has a block not in use, the new block is one of them (its successor first, a
+        free block before a cached one, which is evicted). Otherwise the first block of a
+        wholly free run, else of the least recently released idle run (its cached blocks
+        evicted), else a block of the run with the most blocks not in use, where the caller's
+        next blocks can follow (a free one first, else a cached one is evicted).
         """
-        nxt = None if after is None else after + 1
-        if nxt is not None and nxt % self.run_length and nxt < self.num_blocks and self.is_free(nxt):
-            block_id = nxt
-            self._take(block_id)
+        if after is not None and self._filed_available[after // self.run_length]:
+            block_id = self._take_in_run(after // self.run_length, preferred=after + 1)
         elif self._free_runs or self._idle_runs:
             run = next(iter(self._free_runs)) if self._free_runs else self._reclaim_idle_run()
             block_id = max(run * self.run_length, 1)
             self._take(block_id)
-        elif self._loose:
-            block_id = next(iter(self._loose))
-            self._take(block_id)
-        elif self._cached:
-            block_id = next(iter(self._cached))
-            self._evict(block_id)
+        elif self._num_loose or self._cached:
+            block_id = self._take_in_run(self._most_available_run())
         else:
             raise NoFreeBlocksError("no free or cached device blocks left")
         self._ref[block_id] = 1
@@ -241,6 +285,7 @@ class BlockPool:
             del self._cached[block_id]
             run = block_id // self.run_length
             self._run_cached[run] -= 1
+            self._refile(run)
             self._run_used[run] += 1
             self._idle_runs.pop(run, None)
             self._num_used += 1
@@ -258,7 +303,10 @@ class BlockPool:
             self._run_used[run] -= 1
             if self._hash[block_id] is not None:
                 self._cached[block_id] = None  # most recently released: evicted last
+                self._releases += 1
+                self._released_at[block_id] = self._releases
                 self._run_cached[run] += 1
+                self._refile(run)
             else:
                 self._release(block_id)
             if run and not self._run_used[run] and self._run_cached[run]:

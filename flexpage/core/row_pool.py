@@ -36,7 +36,7 @@ class RowPool(BlockPool):
         self._released_rows: dict[int, None] = {}  # rows wholly free again, in the order they became so
         super().__init__((num_rows + 1) * row_length, row_length)
         for block_id in range(1, row_length):  # row 0: the null block's, never handed out
-            self._loose.pop(block_id, None)
+            self._take(block_id)
         self._released_rows.clear()  # fresh rows hold no memory
         self.num_rows = num_rows
         self.capacity = capacity
