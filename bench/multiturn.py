@@ -23,7 +23,9 @@ Compared in one run, each in a fresh engine of the same process (compiled kernel
 
 Reported per mode (medians over ``--repeats`` runs, modes interleaved; spread printed):
 output tokens/s over the run, TTFT p50/p90 of turns >= 2, history tokens recomputed, the
-tiers' hit counts, RSS growth over the baseline before the engine was built (an untimed
+tiers' hit counts, key-block scatter (as ``bench.pool_reuse`` counts it: the key blocks the
+running sequences' attention visits over the fewest their blocks allow, a count immune to
+timing noise), RSS growth over the baseline before the engine was built (an untimed
 engine runs first, so compile caches are not charged to the first mode). One PNG of the
 pool and tiers mid-run (``flexpage top``'s picture) and one of the results go to docs/img/.
 """
@@ -78,6 +80,7 @@ def engine_config(mode: str, args: argparse.Namespace) -> dict:
 
 def run_mode(mode: str, workload: list[list[Turn]], think_mean: float, args: argparse.Namespace,
              snapshot_path: Path | None = None) -> dict:
+    from bench.pool_reuse import key_blocks_of_running
     from flexpage import LLM, SamplingParams
 
     gc.collect()
@@ -95,6 +98,7 @@ def run_mode(mode: str, workload: list[list[Turn]], think_mean: float, args: arg
     output_tokens = 0
     peak_rss = rss_bytes()
     snapshot = None
+    visited = fewest = 0  # key blocks the running sequences' attention visits, and the fewest possible
     start = time.monotonic()
     while events or live:
         now = time.monotonic() - start
@@ -111,6 +115,8 @@ def run_mode(mode: str, workload: list[list[Turn]], think_mean: float, args: arg
             if events:
                 time.sleep(max(0.0, min(0.05, events[0][0] - (time.monotonic() - start))))
             continue
+        step_visited, step_fewest = key_blocks_of_running(engine)
+        visited, fewest = visited + step_visited, fewest + step_fewest
         for out in engine.step():
             if not out.finished:
                 continue
@@ -144,6 +150,7 @@ def run_mode(mode: str, workload: list[list[Turn]], think_mean: float, args: arg
         "released_tokens": stats["kv_released_tokens"],
         "preemptions": stats["preemptions"], "rss_growth_mb": (peak_rss - base_rss) / 2**20,
         "recompute_cost_slope": engine.recompute_cost_slope,
+        "key_block_scatter": visited / max(fewest, 1),
     }
     if snapshot is not None:
         plot_snapshot(snapshot, snapshot_path, f"{mode}, think {think_mean:g} s, t = {args.snapshot_at:g} s")
@@ -258,7 +265,7 @@ def main() -> None:
                       f"{result['ttft_p50_s']:.2f} s p90 {result['ttft_p90_s']:.2f} s  recomputed "
                       f"{result['history_recomputed_tokens']:6d} / {result['history_tokens']:6d}  restored "
                       f"{result['restored_host_tokens']:6d}  holes {result['hole_recomputed_tokens']:5d}  "
-                      f"RSS +{result['rss_growth_mb']:.0f} MB", flush=True)
+                      f"scatter {result['key_block_scatter']:.2f}  RSS +{result['rss_growth_mb']:.0f} MB", flush=True)
     results = [summarise([r for r in runs if r["mode"] == mode and r["think_mean_s"] == think])
                for think in args.think for mode in args.modes]
     for think in args.think:

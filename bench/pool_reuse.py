@@ -25,22 +25,33 @@ from pathlib import Path
 
 from bench.anchors import OUTPUT_TOKENS, workload
 from flexpage import LLM, SamplingParams
+from flexpage.engine import LLMEngine
+
+
+def key_blocks_of_running(engine: LLMEngine) -> tuple[int, int]:
+    """The key blocks the running sequences' attention visits (distinct runs their blocks lie
+    in), and the fewest their block counts allow."""
+    manager = engine.scheduler.block_manager
+    run_length = manager.pool.run_length
+    visited = fewest = 0
+    for seq in engine.scheduler.running:
+        table = manager.block_table(seq)
+        visited += len({block // run_length for block in table})
+        fewest += -(-len(table) // run_length)
+    return visited, fewest
 
 
 def run_round(llm: LLM, seed: int) -> dict:
     """One workload to completion, step by step, counting the key blocks running sequences visit."""
     engine, manager = llm.engine, llm.engine.scheduler.block_manager
-    run_length = manager.pool.run_length
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     for prompt in workload(seed):
         engine.add_request({"prompt_token_ids": prompt}, params)
     visited = fewest = generated = 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        for seq in engine.scheduler.running:
-            table = manager.block_table(seq)
-            visited += len({block // run_length for block in table})
-            fewest += -(-len(table) // run_length)
+        step_visited, step_fewest = key_blocks_of_running(engine)
+        visited, fewest = visited + step_visited, fewest + step_fewest
         generated += sum(len(out.outputs[0].token_ids) for out in engine.step() if out.finished)
     seconds = time.perf_counter() - start
     pool = manager.pool
