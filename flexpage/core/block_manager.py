@@ -382,7 +382,7 @@ class BlockManager:
         plan = self._cached_prefix(seq)
         if not self._fits(seq, plan):
             raise NoFreeBlocksError(f"not enough blocks to allocate sequence {seq.seq_id}")
-        # every group's hits first: a fresh block may evict the LRU cached block, which must not
+        # every group's hits first: a fresh block may evict a cached block, which must not
         # be a hit another group is about to revive (it would then sit in two groups' tables)
         for group_hits in plan.ids:
             for block_id in group_hits:
