@@ -97,7 +97,6 @@ class BlockPool:
         # free blocks: whole free runs (oldest first), and loose free blocks (in runs partly in
         # use or cached) per run
         num_runs = -(-num_blocks // run_length)
-        self._run_free = [0] * num_runs
         self._free_runs: OrderedDict[int, None] = OrderedDict()
         self._run_loose: list[dict[int, None]] = [{} for _ in range(num_runs)]
         self._num_loose = 0
@@ -163,8 +162,7 @@ class BlockPool:
     def _release(self, block_id: int) -> None:
         run = block_id // self.run_length
         loose = self._run_loose[run]
-        self._run_free[run] += 1
-        if self._run_free[run] == self.run_length:  # the whole run is free again
+        if len(loose) + 1 == self.run_length:  # the whole run is free again
             self._num_loose -= len(loose)
             loose.clear()
             self._free_runs[run] = None
@@ -183,12 +181,11 @@ class BlockPool:
         else:
             del loose[block_id]
             self._num_loose -= 1
-        self._run_free[run] -= 1
         self._refile(run)
 
     def _refile(self, run: int) -> None:
         """File ``run`` under its blocks not in use, after a change (wholly free runs: not filed)."""
-        available = 0 if run in self._free_runs else self._run_free[run] + self._run_cached[run]
+        available = 0 if run in self._free_runs else len(self._run_loose[run]) + self._run_cached[run]
         filed = self._filed_available[run]
         if available != filed:
             if filed:
