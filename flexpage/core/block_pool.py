@@ -103,7 +103,7 @@ class BlockPool:
         # per run: blocks in use and cached blocks; idle runs (none in use, some cached, never
         # run 0, which holds the null block), least recently released first
         self._run_used = [0] * num_runs
-        self._run_cached = [0] * num_runs
+        self._run_cached: list[dict[int, None]] = [{} for _ in range(num_runs)]  # least recently released first
         self._idle_runs: OrderedDict[int, None] = OrderedDict()
         # runs not wholly free, filed by their blocks not in use (free or cached): where a
         # sequence starts when no run is wholly free or idle
@@ -111,10 +111,8 @@ class BlockPool:
         self._filed_available = [0] * num_runs
         for block_id in range(1, num_blocks):
             self._release(block_id)
-        # ref-0 hashed blocks, least recently released first; when each was released
+        # ref-0 hashed blocks, least recently released first.
         self._cached: OrderedDict[int, None] = OrderedDict()
-        self._released_at = [0] * num_blocks
-        self._releases = 0
         self._by_hash: dict[BlockHash, int] = {}
         self._num_used = 0
         self.num_evictions = 0
@@ -185,7 +183,7 @@ class BlockPool:
 
     def _refile(self, run: int) -> None:
         """File ``run`` under its blocks not in use, after a change (wholly free runs: not filed)."""
-        available = 0 if run in self._free_runs else len(self._run_loose[run]) + self._run_cached[run]
+        available = 0 if run in self._free_runs else len(self._run_loose[run]) + len(self._run_cached[run])
         filed = self._filed_available[run]
         if available != filed:
             if filed:
@@ -206,7 +204,7 @@ class BlockPool:
             block_id = preferred if preferred in loose else next(iter(loose))
             self._take(block_id)
         else:
-            block_id = min((b for b in self._run_blocks(run) if b in self._cached), key=self._released_at.__getitem__)
+            block_id = next(iter(self._run_cached[run]))
             self._evict(block_id)
         return block_id
 
@@ -220,7 +218,7 @@ class BlockPool:
         block_hash = self._hash[block_id]
         del self._by_hash[block_hash]  # type: ignore[arg-type]
         self._hash[block_id] = None
-        self._run_cached[block_id // self.run_length] -= 1
+        del self._run_cached[block_id // self.run_length][block_id]
         self._refile(block_id // self.run_length)
         return block_hash  # type: ignore[return-value]
 
@@ -281,7 +279,7 @@ class BlockPool:
                 raise ValueError(f"block {block_id} is free; only used or cached blocks can be shared")
             del self._cached[block_id]
             run = block_id // self.run_length
-            self._run_cached[run] -= 1
+            del self._run_cached[run][block_id]
             self._refile(run)
             self._run_used[run] += 1
             self._idle_runs.pop(run, None)
@@ -300,9 +298,7 @@ class BlockPool:
             self._run_used[run] -= 1
             if self._hash[block_id] is not None:
                 self._cached[block_id] = None  # most recently released: evicted last
-                self._releases += 1
-                self._released_at[block_id] = self._releases
-                self._run_cached[run] += 1
+                self._run_cached[run][block_id] = None
                 self._refile(run)
             else:
                 self._release(block_id)
