@@ -11,7 +11,9 @@ to its kept tokens (at their true positions: RoPE is in the keys), then greedy d
 the answer. Every choice keeps the first block and the prompt's last (partial) block, and
 fills the rest of the budget by the policy's token scores: ``blocks`` by their mean score
 over layers (the engine's choice), ``tokens`` single tokens by the same score, ``layers``
-whole blocks by each layer's own score. The ``full cache`` row keeps everything.
+whole blocks by each layer's own score. The ``full cache`` row keeps everything. Unlike
+the engine, which computes the first answer token in the prefill over the whole prompt,
+the replay feeds the prompt's last token as a decode step over the kept cache.
 
 Run (from the repository root)::
 
