@@ -127,24 +127,22 @@ def forced_logprob(engine, prompt: str, forced_text: str, budget: int | None, to
     request_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=len(forced), kv_budget=budget,
                                                            ignore_eos=True))
     seq = engine.requests[request_id].seqs[0]
-    total, original = 0.0, engine._sample
+    executor = engine.executor
+    total, original = 0.0, executor._sample
 
-    def sample_forced(logits, sampled, touched):  # noqa: ANN001, ANN202
-        nonlocal total
-        if seq in sampled:
-            i = seq.num_output_tokens
-            total += float(torch.log_softmax(logits[sampled.index(seq)].float(), -1)[forced[i]])
-            original(logits, sampled, touched)
-            seq.token_ids[-1] = forced[i]  # the next step computes the forced token's KV
-        else:
-            original(logits, sampled, touched)
+    def sample_forced(logits, rows, result):  # noqa: ANN001, ANN202
+        nonlocal total  # the only request in flight: one row
+        i = seq.num_output_tokens
+        total += float(torch.log_softmax(logits[rows[0].logits_row].float(), -1)[forced[i]])
+        original(logits, rows, result)
+        result.token_ids[0] = [forced[i]]  # appended instead of the sampled one; the next step computes its KV
 
-    engine._sample = sample_forced
+    executor._sample = sample_forced
     try:
         while request_id in engine.requests:
             engine.step()
     finally:
-        engine._sample = original
+        del executor._sample
     return total
 
 

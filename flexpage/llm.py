@@ -47,7 +47,7 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             outputs = self.engine.step()
-            failures = self.engine.take_failures()
+            failures = {out.request_id: out.error for out in outputs if out.error is not None}
             if failures:  # the engine aborted these alone; stop the rest of this call too
                 for request_id in ids:
                     self.engine.abort(request_id)

@@ -48,3 +48,5 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+    #: the engine aborted this request because its own computation failed (the others go on)
+    error: str | None = None

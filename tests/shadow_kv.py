@@ -5,7 +5,7 @@ runs in the wrong order) is caught by comparing tuples."""
 from __future__ import annotations
 
 from flexpage.core import BlockManager, Sequence
-from flexpage.core.kv_tiers import TierOp, TierOpKind
+from flexpage.core.kv_ops import BlockOp, BlockOpKind, KVOp, TierOp, TierOpKind
 
 
 class ShadowKV:
@@ -17,6 +17,20 @@ class ShadowKV:
         self.host: dict[int, list] = {}
         self.tier_host: dict[int, list] = {}  # KVTiers' host slots
         self.disk: dict[int, list] = {}  # KVTiers' disk files
+
+    def apply(self, ops: list[KVOp]) -> None:
+        """Run a plan's KV operations one by one in the order given, as the executor does
+        (an op that relies on a later one's effect is caught by the next check)."""
+        where = {BlockOpKind.SWAP_OUT: (self.dev, self.host), BlockOpKind.SWAP_IN: (self.host, self.dev),
+                 BlockOpKind.COPY: (self.dev, self.dev)}
+        for op in ops:
+            if isinstance(op, TierOp):
+                self.apply_tier_ops([op])
+            elif op.kind is BlockOpKind.RELEASE:  # the OS takes the memory back: zeros
+                for block in range(op.src, op.dst):
+                    self.dev.pop(block, None)
+            else:
+                self.copy([(op.src, op.dst)], *where[op.kind])
 
     def apply_tier_ops(self, ops: list[TierOp]) -> None:
         """Run :class:`KVTiers` ops in order, as the runner's TierStorage does."""

@@ -592,14 +592,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         ids = sorted(i for i, s in self.live.items() if pred(s))
         return self.live[data.draw(st.sampled_from(ids))] if ids else None
 
-    def _tier_ops(self) -> None:
-        self.kv.apply_tier_ops(self.bm.take_tier_ops())
+    def _ops(self) -> None:
+        self.kv.apply(self.bm.drain_ops())
 
     def _compute(self, seq: Sequence, n: int) -> None:
         start = seq.num_computed_tokens
-        copies = self.bm.append_slots(seq, n)
-        self._tier_ops()  # first: a block spilled here may be a copy's destination
-        self.kv.copy(copies, self.kv.dev, self.kv.dev)
+        self.bm.append_slots(seq, n)
+        self._ops()  # in the order decided: a block spilled here may be a copy's destination
         for table in self.bm.block_tables(seq):
             for p in range(start, start + n):  # the runner only ever writes exclusively owned blocks
                 block = table[p // self.bs]
@@ -609,7 +608,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert seq.kv_budget is not None or not blocks
         self.bm.record_block_scores(seq, {i: (seq.seq_id * 31 + i * 17) % 7 for i in blocks})
         seq.num_computed_tokens = self.bm.mark_computed(seq, n)
-        self.kv.copy(self.bm.take_relocations(), self.kv.dev, self.kv.dev)
+        self._ops()  # pages packed into runs
 
     def _pruned(self, seq: Sequence) -> object:
         return ("pruned", self.family[seq.seq_id]) if self.bm.evicted_blocks(seq) else None
@@ -644,7 +643,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def _admit(self, seq: Sequence) -> None:
         seq.num_computed_tokens = self.bm.allocate(seq)
-        self._tier_ops()
+        self._ops()
         self.kv.check(self.bm.block_tables(seq), seq)
         self.kv.check_restored(self.bm, seq)
         self.live[seq.seq_id] = seq
@@ -706,21 +705,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
         live = [b for table in self.bm.block_tables(seq) for b in table if b != 0]
         pairs = self.bm.swap_out(seq)
         assert [d for d, _ in pairs] == live
-        self.kv.copy(pairs, self.kv.dev, self.kv.host)
+        self._ops()
 
     @rule(data=st.data())
     def swap_in(self, data: st.DataObject) -> None:
         seq = self._pick(data, lambda s: self.bm.host_block_tables(s)[0])
         if seq is None or not self.bm.can_swap_in(seq):
             return
-        pairs = self.bm.swap_in(seq)
-        self._tier_ops()
-        self.kv.copy(pairs, self.kv.host, self.kv.dev)
+        self.bm.swap_in(seq)
+        self._ops()
 
     @rule()
     def reset_prefix_cache(self) -> None:
         self.bm.reset_prefix_cache()
-        self._tier_ops()
+        self._ops()
         assert not self.kv.disk and (self.bm.tiers is None or len(self.bm.tiers) == 0)
 
     @invariant()

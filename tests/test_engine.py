@@ -25,6 +25,7 @@ import torch
 
 from engine_models import EOS_ID, SLIDING_WINDOW, VOCAB_SIZE, hf_greedy, load_reference, random_prompts
 from flexpage import SamplingParams
+from flexpage.core.kv_ops import BlockOpKind
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread", "kv_blocks_returned")
 
@@ -49,23 +50,24 @@ def recorded_steps(engine) -> Iterator[SimpleNamespace]:
     """Record each forward pass's per-sequence query lengths and every block move applied."""
     log = SimpleNamespace(query_lens=[], swapped_out=0, swapped_in=0, copied=0)
     runner = engine.runner
-    execute, moves = runner.execute, runner.apply_block_moves
+    execute, apply_ops = runner.execute, runner.apply_block_ops
+    counts = {BlockOpKind.SWAP_OUT: "swapped_out", BlockOpKind.SWAP_IN: "swapped_in", BlockOpKind.COPY: "copied"}
 
     def execute_spy(inputs):
         log.query_lens.append(list(inputs.query_lens))
         return execute(inputs)
 
-    def moves_spy(swap_out, swap_in, copies):
-        log.swapped_out += len(swap_out)
-        log.swapped_in += len(swap_in)
-        log.copied += len(copies)
-        return moves(swap_out, swap_in, copies)
+    def ops_spy(ops):
+        for op in ops:
+            if op.kind in counts:
+                setattr(log, counts[op.kind], getattr(log, counts[op.kind]) + 1)
+        return apply_ops(ops)
 
-    runner.execute, runner.apply_block_moves = execute_spy, moves_spy
+    runner.execute, runner.apply_block_ops = execute_spy, ops_spy
     try:
         yield log
     finally:
-        del runner.execute, runner.apply_block_moves
+        del runner.execute, runner.apply_block_ops
 
 
 @pytest.fixture(scope="module")
@@ -430,13 +432,19 @@ def test_abort_of_a_swapped_request_frees_its_host_blocks(tiny_model, llm_factor
     assert stats.used == 0 and stats.host_used == 0
 
 
-def _run_to_completion(engine, max_steps: int = 500) -> dict[str, list[int]]:
+def _run_to_completion(engine, max_steps: int = 500,
+                       failures: dict[str, str] | None = None) -> dict[str, list[int]]:
+    """Step until idle: the first sample's tokens of each finished request; ``failures`` gets
+    the error of each request the engine aborted alone."""
     done: dict[str, list[int]] = {}
     for _ in range(max_steps):
         if not engine.has_unfinished_requests():
             return done
         for out in engine.step():
-            if out.finished:
+            if out.error is not None:
+                assert failures is not None, out.error
+                failures[out.request_id] = out.error
+            elif out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
     raise AssertionError("engine did not finish")
 
@@ -509,9 +517,10 @@ def test_a_request_whose_forward_pass_fails_is_aborted_alone(tiny_model, llm_fac
     done, failures = {}, {}
     for _ in range(200):
         for out in engine.step():
-            if out.finished:
+            if out.error is not None:
+                failures[out.request_id] = out.error
+            elif out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
-        failures.update(engine.take_failures())
         if not engine.has_unfinished_requests():
             break
     assert failures == {bad: "internal engine error: RuntimeError: injected forward failure"}
@@ -520,22 +529,23 @@ def test_a_request_whose_forward_pass_fails_is_aborted_alone(tiny_model, llm_fac
 
 
 def test_a_request_whose_sampling_fails_is_aborted_alone(tiny_model, llm_factory, hf_reference, monkeypatch):
-    import flexpage.engine
+    import flexpage.executor.local
 
-    sample = flexpage.engine.sample
+    sample = flexpage.executor.local.sample
 
     def sample_or_fail(logits, params, *args, **kwargs):
         if any(p.max_tokens == NEW_TOKENS + 1 for p in params):
             raise OverflowError("injected sampling failure")
         return sample(logits, params, *args, **kwargs)
 
-    monkeypatch.setattr(flexpage.engine, "sample", sample_or_fail)
+    monkeypatch.setattr(flexpage.executor.local, "sample", sample_or_fail)
     engine = llm_factory(tiny_model("mistral")).engine
     ids = [engine.add_request({"prompt_token_ids": p}, GREEDY) for p in PROMPTS]
     bad = engine.add_request({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0.0,
                                                                               max_tokens=NEW_TOKENS + 1))
-    done = _run_to_completion(engine)
-    assert engine.take_failures() == {bad: "internal engine error: OverflowError: injected sampling failure"}
+    failures: dict[str, str] = {}
+    done = _run_to_completion(engine, failures=failures)
+    assert failures == {bad: "internal engine error: OverflowError: injected sampling failure"}
     assert [done[i] for i in ids] == hf_reference("mistral")
 
 

@@ -25,6 +25,7 @@ from flexpage import SamplingParams
 from flexpage.attention.flex import FlexRunner
 from flexpage.attention.kv_pool import KVPool
 from flexpage.attention.paging import build_paged_batch
+from flexpage.core.kv_ops import BlockOpKind
 from flexpage.attention.virtual_arena import PAGE_SIZE as OS_PAGE, ArenaRefused, VirtualArena
 from flexpage.config import EngineConfig
 from flexpage.core.block_manager import BlockManager
@@ -94,14 +95,14 @@ def test_a_row_pool_hands_out_one_row_per_sequence_and_caps_what_is_in_use():
     pool.allocate(8)
     with pytest.raises(NoFreeBlocksError, match="6 resident blocks"):
         pool.allocate()
-    assert pool.take_released_rows() == []
+    assert pool.drain_released_rows() == []
     for block in (4, 5, 6, 7):
         pool.decref(block)
-    assert pool.take_released_rows() == [(4, 8)] and pool.take_released_rows() == []
+    assert pool.drain_released_rows() == [(4, 8)] and pool.drain_released_rows() == []
     pool.decref(8)
     pool.decref(9)
     assert [pool.allocate() for _ in range(3)] == [12, 4, 8]  # rows in the order they became free
-    assert pool.take_released_rows() == []  # row 2 was taken again before its memory went back
+    assert pool.drain_released_rows() == []  # row 2 was taken again before its memory went back
 
 
 def _seq(seq_id: int, tokens: int, n: int = 1) -> Sequence:
@@ -120,10 +121,13 @@ def test_a_fork_copies_into_rows_its_parent_reserved_at_admission():
         bm.fork(parent, child)
     tables = [bm.block_table(c) for c in children]
     assert sorted(tables) == [[16, 17, 18], [24, 25, 26]]
-    assert sorted(bm.take_relocations()) == sorted((p, c) for t in tables for p, c in zip([8, 9, 10], t))
+    copies = [(op.src, op.dst) for op in bm.drain_ops()]
+    assert sorted(copies) == sorted((p, c) for t in tables for p, c in zip([8, 9, 10], t))
     for seq in (parent, *children):
         bm.free(seq)
-    assert bm.stats().used == 0 and len(bm.take_released_rows()) == 3
+    released = bm.drain_ops()
+    assert bm.stats().used == 0 and sorted((op.kind, op.src, op.dst) for op in released) == [
+        (BlockOpKind.RELEASE, start, start + 8) for start in (8, 16, 24)]
 
 
 def test_admission_waits_for_a_free_row_and_rejects_what_can_never_fit():

@@ -28,6 +28,13 @@ from flexpage.core import BlockManager, Sequence
 from flexpage.core.kv_tiers import KVTiers, TierOp, TierOpKind
 
 
+def drained(tiers: KVTiers) -> list[TierOp]:
+    """The ops ``tiers`` decided since the last call (the block manager's plan drains them so)."""
+    ops = list(tiers.ops)
+    tiers.ops.clear()
+    return ops
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -46,10 +53,10 @@ def test_spill_restore_and_a_second_spill_of_the_same_content():
     tiers = KVTiers(2)
     tiers.spill(key(1), device_block=7, position=0, last_used=0.0)
     tiers.spill(key(1), device_block=9, position=0, last_used=1.0)  # already there: no copy
-    assert tiers.take_ops() == [TierOp(TierOpKind.SPILL, 7, 0)]
+    assert drained(tiers) == [TierOp(TierOpKind.SPILL, 7, 0)]
     assert tiers.where(key(1)) == "host"
     tiers.restore(key(1), device_block=3)
-    assert tiers.take_ops() == [TierOp(TierOpKind.RESTORE, 0, 3)]
+    assert drained(tiers) == [TierOp(TierOpKind.RESTORE, 0, 3)]
     assert key(1) in tiers and tiers.stats().restored_host_blocks == 1  # a restore keeps the entry
 
 
@@ -91,9 +98,9 @@ def test_a_copy_the_pool_still_holds_goes_before_any_idle_entry(policy):
     tiers.spill(key(2), 2, position=5, last_used=10.0)
     tiers.restore(key(2), 3)  # running again: the pool holds key 2 as well as the tier
     tiers.in_pool = lambda k: k == key(2)
-    tiers.take_ops()
+    drained(tiers)
     tiers.spill(key(3), 4, position=0, last_used=10.0)
-    assert tiers.take_ops() == [TierOp(TierOpKind.SPILL, 4, 1)]  # key 2's slot, nothing copied to disk
+    assert drained(tiers) == [TierOp(TierOpKind.SPILL, 4, 1)]  # key 2's slot, nothing copied to disk
     assert [tiers.where(key(i)) for i in (1, 2, 3)] == ["host", None, "host"]
     stats = tiers.stats()
     assert (stats.released_blocks, stats.dropped_blocks, stats.demoted_blocks) == (1, 0, 0)
@@ -104,15 +111,15 @@ def test_a_full_host_tier_moves_its_victim_to_disk_before_reusing_the_slot():
     tiers.spill(key(1), 5, 0, last_used=0.0)
     tiers.spill(key(2), 6, 0, last_used=1.0)  # key 1 -> disk, its slot 0 -> key 2
     tiers.spill(key(3), 7, 0, last_used=2.0)  # key 2 -> disk: key 1's file is deleted first
-    assert tiers.take_ops() == [
+    assert drained(tiers) == [
         TierOp(TierOpKind.SPILL, 5, 0),
         TierOp(TierOpKind.DEMOTE, 0, 0), TierOp(TierOpKind.SPILL, 6, 0),
         TierOp(TierOpKind.DELETE, 0), TierOp(TierOpKind.DEMOTE, 0, 1), TierOp(TierOpKind.SPILL, 7, 0),
     ]
     assert [tiers.where(key(i)) for i in (1, 2, 3)] == [None, "disk", "host"]
     tiers.restore(key(2), 4)
-    assert tiers.take_ops() == [TierOp(TierOpKind.LOAD, 1, 4)]
-    assert tiers.clear() == 2 and tiers.take_ops() == [TierOp(TierOpKind.DELETE, 1)] and len(tiers) == 0
+    assert drained(tiers) == [TierOp(TierOpKind.LOAD, 1, 4)]
+    assert tiers.clear() == 2 and drained(tiers) == [TierOp(TierOpKind.DELETE, 1)] and len(tiers) == 0
 
 
 def test_pinned_entries_are_never_evicted_and_a_spill_that_cannot_fit_is_skipped():
@@ -142,16 +149,15 @@ def compute_all(bm: BlockManager, kv: ShadowKV, seq: Sequence) -> None:
     """Prefill everything computable, jumping over restored ranges, as the engine does."""
     while seq.num_uncomputed_tokens:
         n = bm.computable_tokens(seq)
-        copies = bm.append_slots(seq, n)
-        kv.apply_tier_ops(bm.take_tier_ops())
-        kv.copy(copies, kv.dev, kv.dev)
+        bm.append_slots(seq, n)
+        kv.apply(bm.drain_ops())
         kv.write(bm.block_tables(seq), seq, seq.num_computed_tokens, n)
         seq.num_computed_tokens = bm.mark_computed(seq, n)
 
 
 def admit(bm: BlockManager, kv: ShadowKV, seq: Sequence) -> None:
     seq.num_computed_tokens = bm.allocate(seq)
-    kv.apply_tier_ops(bm.take_tier_ops())
+    kv.apply(bm.drain_ops())
 
 
 def test_a_dropped_head_is_recomputed_in_front_of_blocks_restored_from_disk():
@@ -184,7 +190,7 @@ def test_a_dropped_head_is_recomputed_in_front_of_blocks_restored_from_disk():
 
 def test_without_tiers_nothing_is_kept_past_the_pool():
     bm = BlockManager(8, BS)
-    assert bm.tiers is None and bm.take_tier_ops() == []
+    assert bm.tiers is None and bm.drain_ops() == []
     assert BlockManager(8, BS, enable_prefix_caching=False, tiers=KVTiers(4)).tiers is None
 
 
@@ -235,7 +241,7 @@ class ConversationMachine(RuleBasedStateMachine):
     @rule()
     def reset(self) -> None:
         self.bm.reset_prefix_cache()
-        self.kv.apply_tier_ops(self.bm.take_tier_ops())
+        self.kv.apply(self.bm.drain_ops())
         assert len(self.bm.tiers) == 0 and not self.kv.disk
 
     @invariant()
@@ -348,7 +354,7 @@ def test_host_tier_memory_grows_with_use_and_never_past_its_cap():
     grown = []
     for i in range(3 * 64):
         tiers.spill(i.to_bytes(4, "little"), 1 + i % 8, 0, float(i))
-        storage.apply(tiers.take_ops())
+        storage.apply(drained(tiers))
         if i + 1 in (32, 64, 3 * 64):
             grown.append(resident_bytes(storage.host))
     assert 32 * block <= grown[0] <= 34 * block  # half full: half resident (or a huge page more)

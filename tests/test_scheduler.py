@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexpage.core import BlockManager, Scheduler, SchedulerConfig, SchedulerOutput, Sequence, SequenceStatus
+from flexpage.core.kv_ops import BlockOpKind
 
 
 def fake_token(seq_id: int, position: int) -> int:
@@ -41,9 +42,10 @@ class ShadowKV:
             dst[d] = blk
 
     def run(self, out: SchedulerOutput, bm: BlockManager) -> None:
-        self._copy(out.blocks_to_swap_out, self.dev, self.host)
-        self._copy(out.blocks_to_swap_in, self.host, self.dev)
-        self._copy(out.blocks_to_copy, self.dev, self.dev)
+        where = {BlockOpKind.SWAP_OUT: (self.dev, self.host), BlockOpKind.SWAP_IN: (self.host, self.dev),
+                 BlockOpKind.COPY: (self.dev, self.dev)}
+        for op in out.kv_ops:  # one by one, in the plan's order
+            self._copy([(op.src, op.dst)], *where[op.kind])
         for item in out.scheduled:
             seq = item.seq
             for p in range(item.start, item.start + item.num_new_tokens):

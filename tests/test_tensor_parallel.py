@@ -33,7 +33,8 @@ from flexpage.model.runner import StepInputs
 from flexpage.model.tensor_parallel import padded_vocab
 from flexpage.parallel.launch import WorkerSpec, start_group
 from flexpage.model.sharding import check_shardable, shard_llama
-from flexpage.parallel.wire import Command, pack_pairs, pack_step, unpack_pairs, unpack_step
+from flexpage.core.kv_ops import BlockOp, BlockOpKind
+from flexpage.parallel.wire import Command, pack_block_ops, pack_step, unpack_block_ops, unpack_step
 from flexpage.recipes import alibi
 from server_fixtures import ServerProcess, free_port
 
@@ -120,10 +121,11 @@ def test_a_step_travels_as_int64_tensors_and_comes_back_unchanged():
     assert unpack_step(*pack_step(plain)) == plain
 
 
-def test_block_moves_travel_as_pairs():
-    header, payload = pack_pairs(Command.BLOCK_MOVES, [(1, 2)], [], [(3, 4), (5, 6)])
-    assert Command(int(header[0])) == Command.BLOCK_MOVES
-    assert unpack_pairs(header, payload, 3) == [[(1, 2)], [], [(3, 4), (5, 6)]]
+def test_block_ops_travel_in_their_order():
+    ops = [BlockOp(BlockOpKind.SWAP_OUT, 1, 2), BlockOp(BlockOpKind.COPY, 3, 4), BlockOp(BlockOpKind.RELEASE, 8, 16)]
+    header, payload = pack_block_ops(ops)
+    assert Command(int(header[0])) == Command.BLOCK_OPS
+    assert unpack_block_ops(payload) == ops
 
 
 def test_a_rank_s_heads_see_the_model_s_head_numbers():
@@ -159,7 +161,7 @@ def _alive(pid: int) -> bool:
 
 def _close(llm: LLM) -> None:
     """Close the engine: every spawned rank leaves on rank 0's STOP (exit code 0)."""
-    workers = llm.engine.runner.group.workers
+    workers = llm.engine.executor.group.workers
     llm.engine.close()
     assert [w.returncode for w in workers] == [0] * len(workers)
 
@@ -288,7 +290,7 @@ def test_a_rank_that_hangs_between_requests_fails_the_next_one_within_the_timeou
                   tensor_parallel_timeout=3)
         prompt = [{{"prompt_token_ids": [5, 6, 7]}}]
         llm.generate(prompt, SamplingParams(max_tokens=2))
-        [worker] = llm.engine.runner.group.workers
+        [worker] = llm.engine.executor.group.workers
         os.kill(worker.pid, signal.SIGSTOP)
         start = time.monotonic()
         try:
@@ -313,7 +315,7 @@ def test_a_killed_rank_0_takes_its_spawned_ranks_with_it(tiny_model):
         import time
         from flexpage import LLM
         llm = LLM({str(folder)!r}, dtype="float32", compile=False, num_blocks=64, tensor_parallel_size=2)
-        print(*[w.pid for w in llm.engine.runner.group.workers], flush=True)
+        print(*[w.pid for w in llm.engine.executor.group.workers], flush=True)
         time.sleep(600)
     """)
     leader = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)

@@ -48,6 +48,10 @@ from flexpage.attention.thread_balance import PADDING_ROW, thread_balanced_layou
 
 DECODE_Q_BLOCK = 1
 PREFILL_Q_BLOCK = 32
+#: one prompt length per query-length bucket the prefill kernels specialise on (query lengths
+#: round up to powers of two: 2, 4, ... PREFILL_Q_BLOCK with one query block, then several);
+#: warm-up runs each so that no request compiles a kernel
+PREFILL_BUCKET_LENGTHS = (2, *(1 << k | 1 for k in range(1, PREFILL_Q_BLOCK.bit_length())))
 #: tokens per kernel key block in prefill groups (their keys are gathered, so any size works)
 PREFILL_KV_BLOCK = 128
 

@@ -2,13 +2,17 @@
 
 Position ``p`` of a sequence lives in slot ``p % block_size`` of device block
 ``block_table(seq)[p // block_size]``. The manager owns those tables (keyed by sequence
-id) and decides their ids; the model runner only reads them plus the small lists of block
-copies this module returns. The manager never writes a :class:`Sequence`: progress
+id) and decides their ids; the model runner only reads them plus the KV operations this
+module decides (:mod:`flexpage.core.kv_ops`). The manager never writes a :class:`Sequence`: progress
 (``num_computed_tokens``) belongs to the scheduler, which sets it from what
-:meth:`BlockManager.allocate` and :meth:`BlockManager.mark_computed` return. Copies must be applied before the forward pass that uses the blocks,
-in this order: swap-outs (device -> host), swap-ins (host -> device), then
-copy-on-write copies (device -> device). Each list is safe to apply as one
-batched gather-then-scatter.
+:meth:`BlockManager.allocate` and :meth:`BlockManager.mark_computed` return.
+
+Every byte movement it decides -- swaps, copy-on-write copies, relocations, tier spills
+and restores, rows given back to the OS -- is appended to one list in the order it was
+decided, which is an order that is safe to run; :meth:`BlockManager.drain_ops` hands the
+list to the step's plan (the scheduler calls it), and the executor runs it before the
+forward pass that uses the blocks. Methods that decide copies also return them (tests read
+them), but the list is the contract.
 
 Prefix caching: a block is indexed by its chained content hash only once it is
 full *and its KV is computed* (:meth:`BlockManager.mark_computed`), so prompts
@@ -31,12 +35,12 @@ policy's scores arrive through :meth:`BlockManager.record_block_scores` for the 
 hash for blocks it completes after its first eviction (their KV saw a pruned context), and
 an evicted block that another sequence shares (prefix cache, fork) only loses this
 sequence's reference. Kept pages scattered over many of the kernel's key blocks are copied
-into whole runs (:meth:`BlockManager.take_relocations`).
+into whole runs (``COPY`` ops, run before the next forward pass).
 
 Tiers (:mod:`flexpage.core.kv_tiers`): with a :class:`KVTiers`, a cached block the pool
 evicts is spilled to host memory (or disk) instead of lost, and a prefix lookup that misses
-the pool but finds the block in a tier restores it into a fresh block (the copies come from
-:meth:`BlockManager.take_tier_ops`, to run before any other copy of the step). When a tier
+the pool but finds the block in a tier restores it into a fresh block (tier ops, in the
+same list as the block copies). When a tier
 dropped a conversation's *leading* blocks but kept later ones (the retention value drops
 the cheapest to recompute first), the hit has a hole: allocation restores the later blocks,
 the scheduler computes only the hole (:meth:`BlockManager.computable_tokens`), and
@@ -48,8 +52,7 @@ Virtual layout (``virtual_rows``; :mod:`flexpage.core.row_pool`): each sequence'
 one row of consecutive blocks per layer group, ``num_blocks`` caps the blocks in use, and
 nothing is shared: no prefix caching, sliding groups keep their blocks (their row stays
 contiguous), and :meth:`BlockManager.fork` copies the parent's blocks into rows the parent
-reserved at admission for its ``n - 1`` siblings (the copies come from
-:meth:`BlockManager.take_relocations`).
+reserved at admission for its ``n - 1`` siblings (``COPY`` ops).
 """
 
 from __future__ import annotations
@@ -62,9 +65,11 @@ from typing import Final
 from flexpage.core.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool, NoFreeBlocksError
 from flexpage.core.block_stats import BlockStats
 from flexpage.core.eviction import blocks_to_evict, runs_are_scattered
-from flexpage.core.kv_tiers import KVTiers, TierOp
+from flexpage.core.kv_ops import BlockOp, BlockOpKind, KVOp
+from flexpage.core.kv_tiers import KVTiers
 from flexpage.core.layer_groups import blocks_out_of_window, group_key, prefix_hit
 from flexpage.core.row_pool import RowPool
+from flexpage.core.scheduler_output import ScoreRequest
 from flexpage.core.sequence import Sequence
 
 __all__ = ["BlockManager", "BlockStats"]
@@ -171,11 +176,13 @@ class BlockManager:
         self.group_windows = group_windows
         self.num_released_blocks = 0
         self.num_evicted_blocks = 0  # table entries given up for KV budgets
-        self._relocations: list[tuple[int, int]] = []  # see take_relocations
+        #: the KV operations decided since the last :meth:`drain_ops`, in the order they must run
+        self._ops: list[KVOp] = []
         self._held: dict[int, _Held] = {}  # by seq_id; dropped by free()
         self.tiers = tiers if tiers is not None and tiers.enabled and self.enable_prefix_caching else None
         if self.tiers is not None:
             self.tiers.in_pool = lambda key: self.pool.lookup(key) is not None
+            self.tiers.ops = self._ops  # one list: a spilled block may be a later copy's destination
         #: of each hashed pool block: its logical block index, when a sequence last released it and
         #: the conversation that computed it (None: no conversation)
         self._block_info: dict[BlockHash, tuple[int, float, str | None]] = {}
@@ -273,15 +280,19 @@ class BlockManager:
         info = self._block_info.get(key) if key is not None else None
         return info[2] if info is not None else None
 
-    def take_released_rows(self) -> list[tuple[int, int]]:
-        """Virtual layout: block ranges of rows freed since the last call and still free, whose
-        memory can go back to the OS (before anything writes there again); paged: none."""
-        return self.pool.take_released_rows() if isinstance(self.pool, RowPool) else []
+    def drain_ops(self) -> list[KVOp]:
+        """The KV operations decided since the last call, in the order they must run, ending
+        with the virtual layout's rows freed since then and still free (nothing in the list
+        touches them after their release: a row taken again is not released)."""
+        ops = list(self._ops)
+        self._ops.clear()  # the tiers append to this same list
+        if isinstance(self.pool, RowPool):
+            ops += [BlockOp(BlockOpKind.RELEASE, start, end) for start, end in self.pool.drain_released_rows()]
+        return ops
 
-    def take_tier_ops(self) -> list[TierOp]:
-        """Tier copies (spills of evicted blocks, restores of hits) decided since the last call:
-        run them in order before the step's other copies (a spilled block may be reused by them)."""
-        return self.tiers.take_ops() if self.tiers is not None else []
+    def _log(self, kind: BlockOpKind, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        self._ops.extend(BlockOp(kind, src, dst) for src, dst in pairs)
+        return pairs
 
     # -- prefix cache ----------------------------------------------------------
     def _hashes(self, seq: Sequence, num_full_blocks: int) -> list[BlockHash]:
@@ -461,7 +472,7 @@ class BlockManager:
 
         Adds blocks at the end as needed and un-shares (copy-on-write) any
         block in that range that another sequence also references. Returns the
-        ``(src, dst)`` device block copies the runner must perform first.
+        ``(src, dst)`` device block copies (logged as ``COPY`` ops).
         """
         if self._blocks_to_append(seq, num_new_tokens) > self.pool.num_free_or_cached:
             raise NoFreeBlocksError(f"not enough blocks to append {num_new_tokens} tokens to {seq.seq_id}")
@@ -478,7 +489,7 @@ class BlockManager:
                     copies.append((src, dst))
             while len(table) < needed:
                 table.append(self._allocate_after(table))
-        return copies
+        return self._log(BlockOpKind.COPY, copies)
 
     def _fresh_row(self, num_blocks: int) -> list[int]:
         table: list[int] = []
@@ -514,6 +525,21 @@ class BlockManager:
         new_full = min((seq.num_computed_tokens + num_new_tokens) // self.block_size, len(held.device[0]))
         return [i for i in range(held.scored_upto, new_full)
                 if i not in held.evicted and any(table[i] != NULL_BLOCK_ID for table in held.device)]
+
+    def score_requests(self, seq: Sequence, num_new_tokens: int) -> list[ScoreRequest]:
+        """What the executor must score for :meth:`blocks_to_score`: one request of every block
+        over the layer groups holding them all, or, where a sliding group gave some back, one
+        request per block over the groups that still hold it."""
+        blocks = self.blocks_to_score(seq, num_new_tokens)
+        if not blocks:
+            return []
+        tables, bs = self.block_tables(seq), self.block_size
+        holding = [table for table in tables if all(table[i] != NULL_BLOCK_ID for i in blocks)]
+        if holding:
+            return [ScoreRequest(seq.seq_id, blocks, [[table[i] for i in blocks] for table in holding],
+                                 [i * bs for i in blocks])]
+        return [ScoreRequest(seq.seq_id, [i], [[table[i]] for table in tables if table[i] != NULL_BLOCK_ID], [i * bs])
+                for i in blocks]
 
     def record_block_scores(self, seq: Sequence, scores: dict[int, float]) -> None:
         """Store the eviction policy's scores for blocks :meth:`blocks_to_score` named."""
@@ -560,18 +586,10 @@ class BlockManager:
         for i in movable:  # every destination first: none of them can be a source
             last = self.pool.allocate(last)
             sources.append(table[i])
-            self._relocations.append((table[i], last))
+            self._log(BlockOpKind.COPY, [(table[i], last)])
             table[i] = last
         for block_id in sources:
             self.pool.decref(block_id)
-
-    def take_relocations(self) -> list[tuple[int, int]]:
-        """``(src, dst)`` device block copies that packing kept pages into runs made, or that
-        forks in the virtual layout need: apply them (one batched gather-then-scatter) before
-        anything else reads or reuses those blocks, i.e. right after the step's
-        :meth:`mark_computed` calls and forks."""
-        moves, self._relocations = self._relocations, []
-        return moves
 
     def mark_computed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Record that the runner computed positions ``num_computed_tokens .. +num_new_tokens``.
@@ -617,7 +635,7 @@ class BlockManager:
         Nothing is copied now; the first write into a shared partial block
         triggers copy-on-write in :meth:`append_slots`. In the virtual layout the child gets
         rows the parent reserved at admission, and the parent's blocks are copied into them
-        (:meth:`take_relocations`).
+        (``COPY`` ops).
         """
         tables = self.block_tables(parent)
         if not tables[0]:
@@ -647,7 +665,7 @@ class BlockManager:
         for table, row in zip(tables, rows):
             while len(row) < len(table):  # the parent grew since admission
                 row.append(self._allocate_after(row))
-            self._relocations.extend(zip(table, row))
+            self._log(BlockOpKind.COPY, list(zip(table, row)))
         self._held[child.seq_id] = _Held(rows, self._empty())
 
     def free(self, seq: Sequence) -> None:
@@ -711,7 +729,7 @@ class BlockManager:
                 if block_id != NULL_BLOCK_ID:
                     self.pool.decref(block_id)
         held.device, held.host = self._empty(), host_tables
-        return pairs
+        return self._log(BlockOpKind.SWAP_OUT, pairs)
 
     def can_swap_in(self, seq: Sequence, watermark_blocks: int = 0) -> bool:
         host_tables = self.host_block_tables(seq)
@@ -755,4 +773,4 @@ class BlockManager:
             tables.append(table)
             self._host_free.extend(host_table)
         held.host, held.device = self._empty(), tables
-        return pairs
+        return self._log(BlockOpKind.SWAP_IN, pairs)

@@ -25,7 +25,7 @@ tier would drop the idle histories that the next turns need.
 
 Entries are keyed like the pool (:func:`~flexpage.core.layer_groups.group_key`) and stay
 in their tier after a restore (a later spill of the same content costs nothing). This
-module is bookkeeping only: it hands out :class:`TierOp` s in the order they must run; the
+module is bookkeeping only: it appends :class:`TierOp` s to ``ops`` in the order they must run; the
 model runner's tier storage moves the bytes.
 """
 
@@ -35,33 +35,13 @@ import heapq
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 
 from flexpage.core.block_pool import BlockHash
+from flexpage.core.kv_ops import KVOp, TierOp, TierOpKind
 
 __all__ = ["TIER_POLICIES", "KVTiers", "TierOp", "TierOpKind", "TierStats"]
 
 TIER_POLICIES = ("retention", "lru")
-
-
-class TierOpKind(str, Enum):
-    SPILL = "spill"  # device block -> host slot
-    RESTORE = "restore"  # host slot -> device block
-    DEMOTE = "demote"  # host slot -> disk file
-    WRITE = "write"  # device block -> disk file (a spill worth less than the whole host tier)
-    LOAD = "load"  # disk file -> device block
-    DELETE = "delete"  # disk file removed (dst unused)
-
-
-@dataclass(frozen=True, slots=True)
-class TierOp:
-    """One byte movement; ``src`` and ``dst`` are device block ids, host slots or disk file ids
-    as the kind says. Ops must run in the order given (a host slot may be demoted and then
-    reused by a spill within one step)."""
-
-    kind: TierOpKind
-    src: int
-    dst: int = -1
 
 
 @dataclass(slots=True)
@@ -109,7 +89,9 @@ class KVTiers:
         self._free_host = list(range(host_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._num_disk = 0
         self._next_file = 0
-        self._ops: list[TierOp] = []
+        #: where the byte movements go, in the order they must run; the block manager hands
+        #: its own list in, so tier copies and block copies keep one order
+        self.ops: list[KVOp] = []
         #: keys no eviction may touch (the block manager sets them while it restores them)
         self.pinned: set[BlockHash] = set()
         #: whether the pool holds a key's content (used or cached): the block manager sets it
@@ -162,7 +144,7 @@ class KVTiers:
                     self._move_down(victim, self._entries[victim])
         entry.slot = self._free_host.pop()
         self._entries[key] = entry
-        self._ops.append(TierOp(TierOpKind.SPILL, device_block, entry.slot))
+        self.ops.append(TierOp(TierOpKind.SPILL, device_block, entry.slot))
 
     def restore(self, key: BlockHash, device_block: int) -> str | None:
         """Copy tiered content ``key`` into the fresh ``device_block``; the entry stays.
@@ -170,7 +152,7 @@ class KVTiers:
         entry = self._entries[key]
         entry.last_used = self.clock()
         kind = TierOpKind.LOAD if entry.on_disk else TierOpKind.RESTORE
-        self._ops.append(TierOp(kind, entry.slot, device_block))
+        self.ops.append(TierOp(kind, entry.slot, device_block))
         self._counts["disk_hits" if entry.on_disk else "host_hits"] += 1
         return entry.owner
 
@@ -182,17 +164,12 @@ class KVTiers:
             counts[entry.owner] = (host, disk + 1) if entry.on_disk else (host + 1, disk)
         return counts
 
-    def take_ops(self) -> list[TierOp]:
-        """The byte movements decided since the last call, in the order they must run."""
-        ops, self._ops = self._ops, []
-        return ops
-
     def clear(self) -> int:
         """Drop every entry (disk files are deleted by the ops this queues); returns how many."""
         dropped = len(self._entries)
         for entry in self._entries.values():
             if entry.on_disk:
-                self._ops.append(TierOp(TierOpKind.DELETE, entry.slot))
+                self.ops.append(TierOp(TierOpKind.DELETE, entry.slot))
             else:
                 self._free_host.append(entry.slot)
         self._entries.clear()
@@ -225,7 +202,7 @@ class KVTiers:
         """Let go of the tier's copy of content the pool holds (no loss: see the module docstring)."""
         entry = self._entries.pop(key)
         if entry.on_disk:
-            self._ops.append(TierOp(TierOpKind.DELETE, entry.slot))
+            self.ops.append(TierOp(TierOpKind.DELETE, entry.slot))
             self._num_disk -= 1
         else:
             self._free_host.append(entry.slot)
@@ -245,7 +222,7 @@ class KVTiers:
                 if self._resident(victim, key):
                     self._release(victim)
                 else:
-                    self._ops.append(TierOp(TierOpKind.DELETE, self._entries.pop(victim).slot))
+                    self.ops.append(TierOp(TierOpKind.DELETE, self._entries.pop(victim).slot))
                     self._num_disk -= 1
                     self._counts["dropped"] += 1
             keep = key not in victims
@@ -255,9 +232,9 @@ class KVTiers:
             return
         file_id, self._next_file = self._next_file, self._next_file + 1
         if device_block is None:
-            self._ops.append(TierOp(TierOpKind.DEMOTE, entry.slot, file_id))
+            self.ops.append(TierOp(TierOpKind.DEMOTE, entry.slot, file_id))
         else:
-            self._ops.append(TierOp(TierOpKind.WRITE, device_block, file_id))
+            self.ops.append(TierOp(TierOpKind.WRITE, device_block, file_id))
         entry.on_disk, entry.slot = True, file_id
         self._entries[key] = entry
         self._num_disk += 1

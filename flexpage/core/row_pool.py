@@ -10,8 +10,8 @@ memory in use: at most ``capacity`` blocks are held at once (``kv_resident_bytes
 the scheduler sees exactly that as the pool's free blocks.
 
 Rows that become wholly free are queued for their memory to be given back
-(:meth:`RowPool.take_released_rows`: the engine ``MADV_DONTNEED``\\ s them before the next
-write); a row taken again before that keeps its pages and is simply overwritten.
+(:meth:`RowPool.drain_released_rows`: the step's plan ends with them, and the executor
+``MADV_DONTNEED``\\ s them); a row taken again before that keeps its pages and is simply overwritten.
 
 What the layout cannot do: two sequences never hold the same block (no prefix sharing, no
 copy-on-write; forks copy), and a row reserved for ``max_model_len`` tokens is used as far
@@ -77,7 +77,7 @@ class RowPool(BlockPool):
         self._released_rows.pop(block_id // self.run_length, None)
         super()._take(block_id)
 
-    def take_released_rows(self) -> list[tuple[int, int]]:
+    def drain_released_rows(self) -> list[tuple[int, int]]:
         """Block ranges ``[start, end)`` of rows freed since the last call and still free:
         their memory can go back to the OS."""
         rows, self._released_rows = self._released_rows, {}

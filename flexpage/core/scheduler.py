@@ -23,10 +23,11 @@ pressure), and step 4 while anything is still swapped out (it goes first).
 A waiting sequence is given blocks for *all* its tokens at admission, so a
 prefill that is split into chunks never stalls half way for lack of blocks.
 
-The engine loop is: ``out = schedule()``; apply ``out``'s block copies and run
-the model over each scheduled slice; ``mark_computed(out)``; append a sampled
-token to every sequence whose ``ScheduledSequence.sample`` is True; call
-``finish`` on those that stopped.
+The engine loop is: ``out = schedule()``; run ``out.kv_ops`` in order and the model
+over each scheduled slice; record ``out.scores``; ``mark_computed(out)``; append a
+sampled token to every sequence whose ``ScheduledSequence.sample`` is True; call
+``finish`` on those that stopped. KV operations decided after the plan (``mark_computed``
+packing kept pages, forks, frees) travel in the next step's plan.
 """
 
 from __future__ import annotations
@@ -202,16 +203,25 @@ class Scheduler:
 
     # -- the step ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Plan the next forward pass (see the module docstring for the policy)."""
-        cfg, bm = self.config, self.block_manager
+        """Plan the next forward pass (see the module docstring for the policy), with every KV
+        operation decided since the last plan."""
         out = SchedulerOutput()
+        self._schedule(out)
+        bm = self.block_manager
+        out.scores = [request for item in out.scheduled
+                      for request in bm.score_requests(item.seq, item.num_new_tokens)]
+        out.kv_ops = bm.drain_ops()
+        return out
+
+    def _schedule(self, out: SchedulerOutput) -> None:
+        cfg, bm = self.config, self.block_manager
         budget = cfg.max_num_batched_tokens
         scheduled: set[int] = set()
         in_flight: set[bytes] = set()  # hashes of full blocks this step computes
 
         def take(seq: Sequence, n: int) -> None:
             nonlocal budget
-            out.blocks_to_copy.extend(bm.append_slots(seq, n))
+            bm.append_slots(seq, n)
             in_flight.update(bm.hashes_filled_by(seq, n))
             start = seq.num_computed_tokens
             out.scheduled.append(ScheduledSequence(seq, n, start, start + n == seq.num_tokens))
@@ -247,7 +257,7 @@ class Scheduler:
                 take(seq, n)
 
         if out.preempted:
-            return out
+            return
 
         # 3. swapped sequences come back before anything new is admitted.
         while self.swapped and len(self.running) < cfg.max_num_seqs:
@@ -255,7 +265,7 @@ class Scheduler:
             if not bm.can_swap_in(seq, self._watermark()):
                 break
             self.swapped.popleft()
-            out.blocks_to_swap_in.extend(bm.swap_in(seq))
+            bm.swap_in(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = 1 if seq.num_uncomputed_tokens == 1 else chunk(seq)
@@ -281,7 +291,6 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             take(seq, chunk(seq))
-        return out
 
     def _watermark(self) -> int:
         # With nothing running, the watermark could only block progress forever.
@@ -311,7 +320,7 @@ class Scheduler:
         out.preempted.append(seq)
         bm = self.block_manager
         if self.config.preemption_mode == "swap" and bm.can_swap_out(seq):
-            out.blocks_to_swap_out.extend(bm.swap_out(seq))
+            bm.swap_out(seq)
             seq.status = SequenceStatus.SWAPPED
             self._enqueue(self.swapped, seq)
         else:

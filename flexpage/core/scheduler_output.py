@@ -1,7 +1,10 @@
-"""What one scheduling step hands to the model runner.
+"""What one scheduling step hands to the executor: the core's half of the step's plan.
 
-Plain data only (ints, pairs of ints, and the :class:`Sequence` objects), so the
-runner can turn it into tensors without knowing any scheduling policy.
+Plain data only (ints, KV operations, and the :class:`Sequence` objects), so the
+executor can turn it into tensors without knowing any scheduling policy:
+:func:`step_inputs` flattens the scheduled slices into the runner's rows, ``kv_ops`` are
+every byte movement in the order it must run, ``scores`` the blocks whose eviction scores
+the forward pass must produce.
 
 For each :class:`ScheduledSequence` the runner computes KV for token positions
 ``start .. start + num_new_tokens - 1`` of ``seq.token_ids`` (slot of position
@@ -12,11 +15,13 @@ True, samples the next token from the last position's logits.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from flexpage.core.kv_ops import BlockOp, BlockOpKind, KVOp
 from flexpage.core.sequence import Sequence
 
-__all__ = ["ScheduledSequence", "SchedulerOutput"]
+__all__ = ["ScheduledSequence", "SchedulerOutput", "ScoreRequest", "StepInputs", "step_inputs"]
 
 
 @dataclass(slots=True)
@@ -46,20 +51,66 @@ class ScheduledSequence:
         return self.sample
 
 
+@dataclass(frozen=True, slots=True)
+class ScoreRequest:
+    """Blocks of one sequence with a KV budget, filled this step, whose eviction-policy scores
+    the executor computes after the forward pass (one score per block, from every layer
+    group listed)."""
+
+    seq_id: int
+    blocks: list[int]  # logical block indices
+    pages: list[list[int]]  # per layer group holding them: each block's physical page
+    first_positions: list[int]  # each block's first logical position
+
+
+@dataclass
+class StepInputs:
+    """The rows of one forward pass, in the runner's terms (:func:`step_inputs` builds it)."""
+
+    token_ids: list[int]  # flat, sequence after sequence
+    block_tables: list[list[int]]
+    seq_lens: list[int]  # tokens in the pool per sequence after this step
+    query_lens: list[int]  # new tokens per sequence this step
+    sample_rows: list[int]  # flat index of each token whose logits are wanted
+    #: per layer group, per sequence (``[group][seq]``); empty: one group, ``block_tables``
+    group_block_tables: list[list[list[int]]] = field(default_factory=list)
+    #: some sequence's tables hold blocks its KV budget evicted (null entries before its tokens)
+    evicted_pages: bool = False
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
-    """Everything the runner needs for one step. Apply copies in field order:
-    ``blocks_to_swap_out``, ``blocks_to_swap_in``, ``blocks_to_copy``; then run."""
+    """The core's plan of one step: run ``kv_ops`` in order, then the forward pass over
+    ``scheduled``, then score ``scores``' blocks."""
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    #: every KV operation (swaps, tier copies, copy-on-write, relocations, released rows) in the
+    #: order it must run, before the forward pass
+    kv_ops: list[KVOp] = field(default_factory=list)
+    scores: list[ScoreRequest] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     #: Sequences the scheduler itself finished (FINISHED_LENGTH) instead of
     #: scheduling: reached ``max_model_len`` tokens, or a lone sequence that
     #: outgrew the whole pool. The engine should emit their final output.
     finished: list[Sequence] = field(default_factory=list)
+
+    def _pairs(self, kind: BlockOpKind) -> list[tuple[int, int]]:
+        return [(op.src, op.dst) for op in self.kv_ops if isinstance(op, BlockOp) and op.kind is kind]
+
+    @property
+    def blocks_to_copy(self) -> list[tuple[int, int]]:
+        """``(src, dst)`` device copies among ``kv_ops`` (copy-on-write, relocations)."""
+        return self._pairs(BlockOpKind.COPY)
+
+    @property
+    def blocks_to_swap_out(self) -> list[tuple[int, int]]:
+        """``(device, host)`` swap-outs among ``kv_ops``."""
+        return self._pairs(BlockOpKind.SWAP_OUT)
+
+    @property
+    def blocks_to_swap_in(self) -> list[tuple[int, int]]:
+        """``(host, device)`` swap-ins among ``kv_ops``."""
+        return self._pairs(BlockOpKind.SWAP_IN)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -67,4 +118,27 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
+        return not (self.scheduled or self.kv_ops)
+
+
+def step_inputs(scheduled: Iterable[ScheduledSequence],
+                block_tables: Callable[[Sequence], list[list[int]]]) -> StepInputs:
+    """The flat rows of ``scheduled`` slices; ``block_tables(seq)`` gives a sequence's table
+    per layer group (:meth:`BlockManager.block_tables`)."""
+    inputs = StepInputs([], [], [], [], [])
+    for item in scheduled:
+        seq = item.seq
+        inputs.token_ids.extend(item.token_ids)
+        tables = block_tables(seq)
+        inputs.block_tables.append(tables[0])
+        if len(tables) > 1:  # one table per layer group
+            if not inputs.group_block_tables:
+                inputs.group_block_tables = [[] for _ in tables]
+            for group, table in zip(inputs.group_block_tables, tables):
+                group.append(table)
+        inputs.evicted_pages |= seq.num_evicted_blocks > 0
+        inputs.seq_lens.append(item.start + item.num_new_tokens)
+        inputs.query_lens.append(item.num_new_tokens)
+        if item.sample:
+            inputs.sample_rows.append(len(inputs.token_ids) - 1)
+    return inputs

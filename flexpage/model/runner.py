@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, groupby
 
 import numpy as np
 import torch
@@ -50,7 +50,9 @@ from flexpage.attention.kv_pool import KVPool, block_slots
 from flexpage.attention.paging import PagedBatch, build_paged_batch, next_power_of_two, token_positions
 from flexpage.attention.recipe import Recipe, offset_heads
 from flexpage.config import MODEL_IMPLS
+from flexpage.core.kv_ops import BlockOp, BlockOpKind
 from flexpage.core.layer_groups import LayerGroup, plan_layer_groups
+from flexpage.core.scheduler_output import StepInputs
 from flexpage.model import gguf_linear
 from flexpage.model.compact import CompactDecoder, supports
 from flexpage.model.compiled_step import CompiledStep
@@ -64,21 +66,6 @@ IMPLEMENTATION_NAME = "flexpage_paged"
 #: rows per projection call in deterministic mode (see ModelRunner): every call the same
 #: shape, so every row is summed by the same kernel
 DETERMINISTIC_ROW_TILE = 64
-
-
-@dataclass
-class StepInputs:
-    """One step, in the runner's terms (built by the engine from a SchedulerOutput)."""
-
-    token_ids: list[int]  # flat, sequence after sequence
-    block_tables: list[list[int]]
-    seq_lens: list[int]  # tokens in the pool per sequence after this step
-    query_lens: list[int]  # new tokens per sequence this step
-    sample_rows: list[int]  # flat index of each token whose logits are wanted
-    #: per layer group, per sequence (``[group][seq]``); empty: one group, ``block_tables``
-    group_block_tables: list[list[list[int]]] = field(default_factory=list)
-    #: some sequence's tables hold blocks its KV budget evicted (null entries before its tokens)
-    evicted_pages: bool = False
 
 
 @dataclass
@@ -216,7 +203,7 @@ class ModelRunner:
         ``parallel``: this process is one rank of a tensor-parallel group and keeps its share of
         the model (:func:`~flexpage.model.sharding.shard_llama`, on the compact forward) and
         of the pool: its KV heads, with the block tables every rank shares. Every rank must
-        execute the same steps (:class:`~flexpage.parallel.leader.LeaderRunner`).
+        execute the same steps (:class:`~flexpage.executor.tensor_parallel.TensorParallelExecutor`).
 
         ``gguf_path``: the GGUF ``model`` was converted from. On the compact forward (not
         deterministic, one process), projections and the LM head it holds as Q4_1 or Q8_0 are
@@ -391,21 +378,21 @@ class ModelRunner:
         sample_rows = torch.tensor(inputs.sample_rows, dtype=torch.long)
         return step, token_ids, positions, sample_rows
 
-    def release(self, block_ranges: list[tuple[int, int]]) -> int:
-        """Give the memory of freed rows ``[start, end)`` back to the OS (virtual layout; a no-op
-        when paged); returns the bytes released."""
-        return self.pool.release(block_ranges)
-
-    def apply_block_moves(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
-                          copies: list[tuple[int, int]]) -> None:
-        """Swap blocks to/from the host tier and copy-on-write, in that order, before a forward."""
-        if swap_out:
-            device, host = zip(*swap_out)
-            self.host[:, block_slots(host, self.pool.block_size)] = self.pool.read_blocks(list(device))
-        if swap_in:
-            host, device = zip(*swap_in)
-            self.pool.write_blocks(list(device), self.host[:, block_slots(host, self.pool.block_size)])
-        self.pool.copy_blocks(copies)
+    def apply_block_ops(self, ops: list[BlockOp]) -> None:
+        """Run a plan's block operations in order, each run of one kind as one batched copy
+        (no op of a run reads another's destination; see :mod:`flexpage.core.kv_ops`)."""
+        for kind, run in groupby(ops, key=lambda op: op.kind):
+            pairs = [(op.src, op.dst) for op in run]
+            if kind is BlockOpKind.SWAP_OUT:
+                device, host = zip(*pairs)
+                self.host[:, block_slots(host, self.pool.block_size)] = self.pool.read_blocks(list(device))
+            elif kind is BlockOpKind.SWAP_IN:
+                host, device = zip(*pairs)
+                self.pool.write_blocks(list(device), self.host[:, block_slots(host, self.pool.block_size)])
+            elif kind is BlockOpKind.COPY:
+                self.pool.copy_blocks(pairs)
+            else:  # RELEASE: the virtual layout gives freed rows' memory back (a no-op when paged)
+                self.pool.release(pairs)
 
 
 def check_parallel_supported(model: torch.nn.Module, model_impl: str, deterministic: bool) -> None:

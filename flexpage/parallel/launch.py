@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from flexpage.model.tensor_parallel import RankFailure, TensorParallel, sum_check
-from flexpage.parallel.wire import HEADER, Command, payload_size, unpack_pairs, unpack_step
+from flexpage.parallel.wire import HEADER, Command, payload_size, unpack_block_ops, unpack_step
 
 __all__ = ["Group", "WorkerSpec", "check_workers", "free_port", "run_worker", "serve_commands", "start_group",
            "stop_workers"]
@@ -181,10 +181,8 @@ def serve_commands(runner: Any, commands: dist.ProcessGroup) -> None:
         if command == Command.STEP:
             with torch.inference_mode():
                 runner.execute(unpack_step(header, payload))
-        elif command == Command.BLOCK_MOVES:
-            runner.apply_block_moves(*unpack_pairs(header, payload, 3))
-        elif command == Command.RELEASE:
-            runner.release(*unpack_pairs(header, payload, 1))
+        elif command == Command.BLOCK_OPS:
+            runner.apply_block_ops(unpack_block_ops(payload))
 
 
 def stop_workers(group: Group, timeout_s: float = 10.0, kill: bool = False) -> None:

@@ -2,7 +2,8 @@
 
 Every step, rank 0 broadcasts what the other ranks need to run the same forward: the step's
 token ids, sequence and query lengths, sampled rows and block tables (all layer groups), or
-the block moves and releases that keep their pools in step with its own. Nothing is
+the plan's block operations (swaps, copies, released rows) that keep their pools in step
+with its own, in the plan's order. Nothing is
 pickled per step: a command is a fixed header (:data:`HEADER` int64s: the command and its
 field lengths, the payload's length) and a payload of concatenated int64 fields, sent as two
 broadcasts (the other ranks size the payload from the header).
@@ -16,17 +17,18 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from flexpage.model.runner import StepInputs
+from flexpage.core.kv_ops import BlockOp, BlockOpKind
+from flexpage.core.scheduler_output import StepInputs
 
-__all__ = ["Command", "HEADER", "pack_pairs", "pack_step", "payload_size", "unpack_pairs", "unpack_step"]
+__all__ = ["Command", "HEADER", "pack_block_ops", "pack_step", "pack_stop", "payload_size", "unpack_block_ops",
+           "unpack_step"]
 
 HEADER = 8  # int64s: command, up to 6 field lengths, the payload's length
 
 
 class Command(IntEnum):
     STEP = 1  # StepInputs
-    BLOCK_MOVES = 2  # swap-out, swap-in and copy pairs
-    RELEASE = 3  # [start, end) block ranges of the virtual layout
+    BLOCK_OPS = 2  # a plan's block operations, in order
     STOP = 4  # leave the worker loop
 
 
@@ -73,19 +75,21 @@ def unpack_step(header: Tensor, payload: Tensor) -> StepInputs:
                       group_block_tables=per_group if grouped else [], evicted_pages=bool(evicted))
 
 
-def pack_pairs(command: Command, *pair_lists: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
-    """``(header, payload)`` of a command whose fields are lists of int pairs."""
-    flat = [value for pairs in pair_lists for pair in pairs for value in pair]
-    payload = torch.tensor(flat, dtype=torch.int64)
-    return _header(command, payload, *(len(pairs) for pairs in pair_lists)), payload
+def pack_stop() -> Tensor:
+    """The header of :attr:`Command.STOP` (it has no payload)."""
+    return _header(Command.STOP, torch.empty(0, dtype=torch.int64))
 
 
-def unpack_pairs(header: Tensor, payload: Tensor, count: int) -> list[list[tuple[int, int]]]:
-    """The ``count`` pair lists :func:`pack_pairs` packed."""
+_KINDS = list(BlockOpKind)
+
+
+def pack_block_ops(ops: list[BlockOp]) -> tuple[Tensor, Tensor]:
+    """``(header, payload)`` of a plan's block operations: ``(kind, src, dst)`` per op."""
+    payload = torch.tensor([v for op in ops for v in (_KINDS.index(op.kind), op.src, op.dst)], dtype=torch.int64)
+    return _header(Command.BLOCK_OPS, payload, len(ops)), payload
+
+
+def unpack_block_ops(payload: Tensor) -> list[BlockOp]:
+    """The block operations :func:`pack_block_ops` packed, in their order."""
     values = payload.tolist()
-    lists, start = [], 0
-    for length in header[1:1 + count].tolist():
-        lists.append([(values[start + 2 * i], values[start + 2 * i + 1]) for i in range(length)])
-        start += 2 * length
-    return lists
-
+    return [BlockOp(_KINDS[values[i]], values[i + 1], values[i + 2]) for i in range(0, len(values), 3)]

@@ -289,10 +289,11 @@ class EngineLoop:
                     self._abort_all(f"internal engine error: {type(error).__name__}: {error}")
                     outputs = []
                 self.steps += 1
-                for request_id, message in self.engine.take_failures().items():  # aborted alone
-                    self._fail_one(request_id, message)
                 for out in outputs:
-                    self._dispatch(out)
+                    if out.error is not None:  # aborted alone: its own computation failed
+                        self._fail_one(out.request_id, out.error)
+                    else:
+                        self._dispatch(out)
                 self._flush()
             now = time.monotonic()
             if handled or now - last_stats >= self.stats_interval or not self.engine.has_unfinished_requests():

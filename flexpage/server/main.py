@@ -235,9 +235,9 @@ def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str
 
 
 def _parallel_summary(engine: Any) -> str:
-    size, runner = engine.config.tensor_parallel_size, engine.runner
-    started = "spawned on this host" if runner.group.workers else "started by torchrun"
-    return (f"{size} ranks ({started}, gloo), each with {runner.pool.num_kv_heads} KV heads and 1/{size} of every "
+    size = engine.config.tensor_parallel_size
+    started = "spawned on this host" if engine.executor.group.workers else "started by torchrun"
+    return (f"{size} ranks ({started}, gloo), each with {engine.runner.pool.num_kv_heads} KV heads and 1/{size} of every "
             f"layer; a rank that dies, or hangs {engine.config.tensor_parallel_timeout:.0f} s, stops the server")
 
 

@@ -1,10 +1,10 @@
-"""Rank 0's runner: every command goes to the other ranks first, then runs on its own shard.
+"""Rank 0's executor: a plan's block operations and forward pass go to the other ranks first,
+then run on rank 0's shard; sampling and everything else runs on rank 0 alone.
 
-The engine drives it as it drives a :class:`~flexpage.model.runner.ModelRunner` (its other
-attributes -- the pool, the compact decoder, the layer groups -- are rank 0's runner's). A
-step that fails here cannot be retried request by request as in one process: the other ranks
-are in the middle of the same step, out of step with rank 0. Any failure is a
-:class:`~flexpage.model.tensor_parallel.RankFailure`, which ends the engine.
+The engine drives it as it drives a :class:`~flexpage.executor.local.LocalExecutor`: one
+plan in, one result out. A step that fails here cannot be retried request by request as in
+one process: the other ranks are in the middle of the same step, out of step with rank 0.
+Any failure is a :class:`~flexpage.model.tensor_parallel.RankFailure`, which ends the engine.
 """
 
 from __future__ import annotations
@@ -17,14 +17,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from flexpage.attention.eviction import EvictionPolicy
 from flexpage.attention.recipe import Recipe
-from flexpage.model.runner import ModelRunner, StepInputs, check_parallel_supported
+from flexpage.core.kv_ops import BlockOp, TierOp
+from flexpage.core.scheduler_output import StepInputs
+from flexpage.executor.local import LocalExecutor
+from flexpage.model.runner import ModelRunner, check_parallel_supported
 from flexpage.model.sharding import check_shardable
 from flexpage.model.tensor_parallel import RankFailure, sum_check
 from flexpage.parallel import launch
-from flexpage.parallel.wire import Command, pack_pairs, pack_step
+from flexpage.parallel.wire import pack_block_ops, pack_step, pack_stop
 
-__all__ = ["LeaderRunner", "start_leader"]
+__all__ = ["TensorParallelExecutor", "start_leader"]
 
 T = TypeVar("T")
 
@@ -32,8 +36,8 @@ T = TypeVar("T")
 _STOP_TIMEOUT_S = 10.0
 
 
-def start_leader(model: torch.nn.Module, spec: launch.WorkerSpec, recipes: tuple[Recipe, ...],
-                 size: int) -> LeaderRunner:
+def start_leader(model: torch.nn.Module, spec: launch.WorkerSpec, recipes: tuple[Recipe, ...], size: int, *,
+                 eviction_policy: EvictionPolicy, eos_token_id: int | None, seed: int = 0) -> TensorParallelExecutor:
     """Start ``size`` ranks with this process as rank 0 and build every rank's runner from
     ``spec`` (rank 0's from ``model``, which it shards). The model is checked before any rank
     starts: a head count ``size`` does not divide is a ValueError naming it."""
@@ -48,34 +52,30 @@ def start_leader(model: torch.nn.Module, spec: launch.WorkerSpec, recipes: tuple
         launch.stop_workers(group, kill=True)
         dist.destroy_process_group()
         raise
-    return LeaderRunner(runner, group)
+    return TensorParallelExecutor(runner, group, eviction_policy=eviction_policy, eos_token_id=eos_token_id,
+                                  seed=seed)
 
 
-class LeaderRunner:
-    """Rank 0's :class:`ModelRunner` plus the broadcast that keeps the other ranks in step."""
+class TensorParallelExecutor(LocalExecutor):
+    """Rank 0's executor: a :class:`LocalExecutor` over rank 0's shard plus the broadcast
+    that keeps the other ranks in step."""
 
-    def __init__(self, runner: ModelRunner, group: launch.Group) -> None:
-        self.runner = runner
+    def __init__(self, runner: ModelRunner, group: launch.Group, **kwargs: Any) -> None:
+        super().__init__(runner, **kwargs)
         self.group = group
         self.closed = False
         self.failure: RankFailure | None = None  # the group is out of step: no more commands
 
-    def __getattr__(self, name: str) -> Any:  # the pool, compact decoder, layer groups...: rank 0's
-        return getattr(self.runner, name)
-
-    def execute(self, inputs: StepInputs) -> Tensor:
+    def _forward(self, inputs: StepInputs) -> Tensor:
         self._send(*pack_step(inputs))
         return self._run(self.runner.execute, inputs)
 
-    def apply_block_moves(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
-                          copies: list[tuple[int, int]]) -> None:
-        if swap_out or swap_in or copies:
-            self._send(*pack_pairs(Command.BLOCK_MOVES, swap_out, swap_in, copies))
-            self._run(self.runner.apply_block_moves, swap_out, swap_in, copies)
+    def _run_block_ops(self, ops: list[BlockOp]) -> None:
+        self._send(*pack_block_ops(ops))
+        self._run(self.runner.apply_block_ops, ops)
 
-    def release(self, block_ranges: list[tuple[int, int]]) -> int:
-        self._send(*pack_pairs(Command.RELEASE, block_ranges))
-        return self._run(self.runner.release, block_ranges)
+    def _run_tier_ops(self, ops: list[TierOp]) -> None:
+        raise RankFailure("tier operations under tensor parallelism: every rank would need its own tier storage")
 
     def check_health(self) -> None:
         """Raise :class:`RankFailure` if a rank spawned here has exited."""
@@ -88,14 +88,14 @@ class LeaderRunner:
             return
         if self.failure is None:  # a failed group's ranks may be unable even to receive it
             try:
-                header, _ = pack_pairs(Command.STOP)
-                work = dist.broadcast(header, 0, group=self.group.commands, async_op=True)
+                work = dist.broadcast(pack_stop(), 0, group=self.group.commands, async_op=True)
                 work.wait(timeout=timedelta(seconds=_STOP_TIMEOUT_S))
             except RuntimeError:
                 pass  # a rank that cannot take the command is killed below (if spawned here)
         self.closed = True
         launch.stop_workers(self.group, kill=self.failure is not None)
         dist.destroy_process_group()
+        super().close()
 
     def _send(self, header: Tensor, payload: Tensor) -> None:
         if self.closed or self.failure is not None:

@@ -1,0 +1,69 @@
+"""The contract between the engine and an executor: one :class:`StepPlan` in, one
+:class:`StepResult` out, per step.
+
+The plan carries everything the step does to the KV cache and the model, in order:
+
+1. ``kv_ops`` -- swaps, tier copies, copy-on-write copies, relocations and released rows,
+   as the core decided them (:mod:`flexpage.core.kv_ops`);
+2. ``inputs`` -- the rows of the forward pass (None: a plan of KV operations only);
+3. ``samples`` -- which logits rows to sample, with each row's parameters, history and
+   generator (a row may be sampled more than once: the ``n`` samples of a prompt);
+4. ``scores`` -- blocks whose eviction-policy scores the forward pass must produce.
+
+The result carries what came back: the tokens each sample row accepted (a list per row, so
+that a step verifying proposed tokens can accept several), their logprobs, a sampling
+error per row that failed alone, and one list of block scores per score request. Nothing
+else passes between the engine and an executor during a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from flexpage.core.kv_ops import KVOp
+from flexpage.core.scheduler_output import ScoreRequest, StepInputs
+from flexpage.model.sampler import TokenHistory, TokenLogprobs
+from flexpage.sampling_params import SamplingParams
+
+__all__ = ["ForwardFailed", "SampleRow", "StepPlan", "StepResult"]
+
+
+class ForwardFailed(Exception):
+    """The batched forward pass raised (the cause is chained); sampling never started. The
+    plan's KV operations ran: a retry of some of its rows needs a plan without them."""
+
+
+@dataclass(slots=True)
+class SampleRow:
+    """One token to sample from logits row ``logits_row`` (an index into ``inputs.sample_rows``)."""
+
+    logits_row: int
+    params: SamplingParams
+    history: TokenHistory
+    generator: torch.Generator | None  # the sample's own (seeded requests); None: the executor's
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Everything one step does, in the order it happens (see the module docstring)."""
+
+    kv_ops: list[KVOp] = field(default_factory=list)
+    inputs: StepInputs | None = None
+    samples: list[SampleRow] = field(default_factory=list)
+    scores: list[ScoreRequest] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one step produced; lists are parallel to the plan's ``samples`` and ``scores``."""
+
+    #: per sample row, the tokens it accepted (one each, until a step verifies proposals)
+    token_ids: list[list[int]] = field(default_factory=list)
+    #: per sample row, each accepted token's logprobs (None: the row asked for none)
+    logprobs: list[list[TokenLogprobs | None]] = field(default_factory=list)
+    #: sample rows whose own sampling raised, by index into ``samples`` (they got no tokens)
+    errors: dict[int, BaseException] = field(default_factory=dict)
+    #: per score request, one score per block
+    block_scores: list[list[float]] = field(default_factory=list)
