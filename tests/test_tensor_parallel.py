@@ -34,7 +34,10 @@ from flexpage.model.tensor_parallel import padded_vocab
 from flexpage.parallel.launch import WorkerSpec, start_group
 from flexpage.model.sharding import check_shardable, shard_llama
 from flexpage.core.kv_ops import BlockOp, BlockOpKind
-from flexpage.parallel.wire import Command, pack_block_ops, pack_step, unpack_block_ops, unpack_step
+from flexpage.core.scheduler_output import ScoreRequest
+from flexpage.parallel.wire import (
+    Command, pack_block_ops, pack_scores, pack_step, unpack_block_ops, unpack_scores, unpack_step,
+)
 from flexpage.recipes import alibi
 from server_fixtures import ServerProcess, free_port
 
@@ -119,6 +122,14 @@ def test_a_step_travels_as_int64_tensors_and_comes_back_unchanged():
     assert unpack_step(header, payload) == step
     plain = StepInputs([1], [[4]], [1], [1], [0])
     assert unpack_step(*pack_step(plain)) == plain
+
+
+def test_score_requests_travel_with_their_pages_and_positions():
+    requests = [ScoreRequest(7, [2, 3], [[11, 12], [21, 22]], [16, 24]), ScoreRequest(8, [5], [[30]], [40])]
+    header, payload = pack_scores(requests)
+    assert Command(int(header[0])) == Command.SCORE
+    assert [(r.pages, r.first_positions) for r in unpack_scores(payload)] == [(r.pages, r.first_positions)
+                                                                             for r in requests]
 
 
 def test_block_ops_travel_in_their_order():

@@ -105,7 +105,7 @@ def build_executor(config: EngineConfig, compile: bool) -> tuple[Executor, Model
 
         spec = WorkerSpec(str(path), dtype, config.recipe, runner_kwargs,
                           prime_rows=(config.max_num_batched_tokens, config.max_num_seqs),
-                          timeout_s=config.tensor_parallel_timeout)
+                          timeout_s=config.tensor_parallel_timeout, kv_eviction=config.kv_eviction)
         executor = start_leader(model, spec, recipes, config.tensor_parallel_size,
                                 eviction_policy=info.eviction_policy, eos_token_id=eos, seed=config.seed)
     else:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from flexpage.core.kv_ops import BlockOp, KVOp, TierOp
-from flexpage.core.scheduler_output import StepInputs
+from flexpage.core.scheduler_output import ScoreRequest, StepInputs
 from flexpage.executor.plan import ForwardFailed, SampleRow, StepPlan, StepResult
 from flexpage.attention.eviction import EvictionPolicy
 from flexpage.model.kv_eviction import block_scores
@@ -52,8 +52,7 @@ class LocalExecutor:
             return result
         try:  # always run: a step of prefill chunks that samples nothing still computes their K/V
             logits = self._forward(plan.inputs)
-            result.block_scores = [block_scores(self.runner.pool, self.eviction_policy, r.pages, r.first_positions)
-                                   for r in plan.scores]
+            result.block_scores = self._score(plan.scores) if plan.scores else []
         except RankFailure:  # not one request's fault, and no retry can help
             raise
         except Exception as error:
@@ -79,6 +78,9 @@ class LocalExecutor:
 
     def _forward(self, inputs: StepInputs) -> Tensor:
         return self.runner.execute(inputs)
+
+    def _score(self, requests: list[ScoreRequest]) -> list[list[float]]:
+        return [block_scores(self.runner.pool, self.eviction_policy, r.pages, r.first_positions) for r in requests]
 
     def _sample(self, logits: Tensor, rows: list[SampleRow], result: StepResult) -> None:
         """Sample every row at once; if that raises, row by row, so that only the rows whose

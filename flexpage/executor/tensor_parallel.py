@@ -20,13 +20,14 @@ from torch import Tensor
 from flexpage.attention.eviction import EvictionPolicy
 from flexpage.attention.recipe import Recipe
 from flexpage.core.kv_ops import BlockOp, TierOp
-from flexpage.core.scheduler_output import StepInputs
+from flexpage.core.scheduler_output import ScoreRequest, StepInputs
 from flexpage.executor.local import LocalExecutor
 from flexpage.model.runner import ModelRunner, check_parallel_supported
 from flexpage.model.sharding import check_shardable
 from flexpage.model.tensor_parallel import RankFailure, sum_check
 from flexpage.parallel import launch
-from flexpage.parallel.wire import pack_block_ops, pack_step, pack_stop
+from flexpage.model.kv_eviction import block_scores_over_ranks
+from flexpage.parallel.wire import pack_block_ops, pack_scores, pack_step, pack_stop
 
 __all__ = ["TensorParallelExecutor", "start_leader"]
 
@@ -73,6 +74,11 @@ class TensorParallelExecutor(LocalExecutor):
     def _run_block_ops(self, ops: list[BlockOp]) -> None:
         self._send(*pack_block_ops(ops))
         self._run(self.runner.apply_block_ops, ops)
+
+    def _score(self, requests: list[ScoreRequest]) -> list[list[float]]:
+        self._send(*pack_scores(requests))
+        return self._run(block_scores_over_ranks, self.runner.pool, self.eviction_policy, requests,
+                         self.runner.parallel)
 
     def _run_tier_ops(self, ops: list[TierOp]) -> None:
         raise RankFailure("tier operations under tensor parallelism: every rank would need its own tier storage")

@@ -13,9 +13,11 @@ import torch
 
 from flexpage.attention.eviction import EvictionPolicy
 from flexpage.attention.kv_pool import KVPool
+from flexpage.core.scheduler_output import ScoreRequest
 from flexpage.model.layer_recipes import load_object
+from flexpage.model.tensor_parallel import TensorParallel
 
-__all__ = ["EVICTION_POLICIES", "block_scores", "resolve_eviction_policy"]
+__all__ = ["EVICTION_POLICIES", "block_scores", "block_scores_over_ranks", "resolve_eviction_policy"]
 
 
 def _builtin() -> dict[str, EvictionPolicy]:
@@ -45,6 +47,23 @@ def resolve_eviction_policy(choice: str | EvictionPolicy) -> EvictionPolicy:
         return load_object(choice, EvictionPolicy, "kv_eviction")
     raise ValueError(f"kv_eviction: got {choice!r}, expected one of {EVICTION_POLICIES}, "
                      "'module:attr' or 'file.py[:attr]'")
+
+
+@torch.inference_mode()
+def block_scores_over_ranks(pool: KVPool, policy: EvictionPolicy, requests: Sequence[ScoreRequest],
+                            parallel: TensorParallel) -> list[list[float]]:
+    """:func:`block_scores` of every request, each rank scoring its own KV heads and the ranks'
+    scores averaged: every rank holds the same number of heads, so for a policy that averages
+    over heads (every built-in one does) this is the score of all heads, as in one process.
+    Every rank of the group calls it with the same requests."""
+    local = [block_scores(pool, policy, r.pages, r.first_positions) for r in requests]
+    flat = torch.tensor([score for scores in local for score in scores], dtype=torch.float32)
+    mean = (parallel.all_reduce(flat) / parallel.size).tolist()
+    out, start = [], 0
+    for scores in local:
+        out.append(mean[start:start + len(scores)])
+        start += len(scores)
+    return out
 
 
 @torch.inference_mode()

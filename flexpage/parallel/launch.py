@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from flexpage.model.tensor_parallel import RankFailure, TensorParallel, sum_check
-from flexpage.parallel.wire import HEADER, Command, payload_size, unpack_block_ops, unpack_step
+from flexpage.parallel.wire import HEADER, Command, payload_size, unpack_block_ops, unpack_scores, unpack_step
 
 __all__ = ["Group", "WorkerSpec", "check_workers", "free_port", "run_worker", "serve_commands", "start_group",
            "stop_workers"]
@@ -62,6 +62,7 @@ class WorkerSpec:
     runner_kwargs: dict[str, Any] = field(default_factory=dict)
     prime_rows: tuple[int, int] = (0, 0)  # CompactDecoder.prime's max rows and sampled rows
     timeout_s: float = 120.0  # EngineConfig.tensor_parallel_timeout
+    kv_eviction: Any = "none"  # EngineConfig.kv_eviction: a name or 'module:attr' (functions do not travel)
 
 
 @dataclass
@@ -134,6 +135,7 @@ def _step_groups(timeout_s: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup
 def run_worker() -> int:
     """The life of a rank other than 0: join the group, build this rank's runner, run rank 0's
     commands until it says stop. Returns the exit code."""
+    from flexpage.model.kv_eviction import resolve_eviction_policy
     from flexpage.model.loader import load_hf_model
     from flexpage.model.layer_recipes import engine_recipes
     from flexpage.model.runner import ModelRunner
@@ -158,13 +160,16 @@ def run_worker() -> int:
     if runner.compact is not None and spec.prime_rows[0]:
         runner.compact.prime(*spec.prime_rows)
     sum_check(parallel)
-    serve_commands(runner, commands)
+    serve_commands(runner, commands, resolve_eviction_policy(spec.kv_eviction))
     dist.destroy_process_group()
     return 0
 
 
-def serve_commands(runner: Any, commands: dist.ProcessGroup) -> None:
-    """Run rank 0's commands on this rank's ``runner`` until :attr:`Command.STOP`."""
+def serve_commands(runner: Any, commands: dist.ProcessGroup, eviction_policy: Any = None) -> None:
+    """Run rank 0's commands on this rank's ``runner`` until :attr:`Command.STOP`
+    (``eviction_policy``: what :attr:`Command.SCORE` scores with)."""
+    from flexpage.model.kv_eviction import block_scores_over_ranks
+
     header = torch.empty(HEADER, dtype=torch.int64)
     while True:
         try:
@@ -183,6 +188,8 @@ def serve_commands(runner: Any, commands: dist.ProcessGroup) -> None:
                 runner.execute(unpack_step(header, payload))
         elif command == Command.BLOCK_OPS:
             runner.apply_block_ops(unpack_block_ops(payload))
+        elif command == Command.SCORE:
+            block_scores_over_ranks(runner.pool, eviction_policy, unpack_scores(payload), runner.parallel)
 
 
 def stop_workers(group: Group, timeout_s: float = 10.0, kill: bool = False) -> None:

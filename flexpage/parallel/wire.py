@@ -18,10 +18,10 @@ import torch
 from torch import Tensor
 
 from flexpage.core.kv_ops import BlockOp, BlockOpKind
-from flexpage.core.scheduler_output import StepInputs
+from flexpage.core.scheduler_output import ScoreRequest, StepInputs
 
-__all__ = ["Command", "HEADER", "pack_block_ops", "pack_step", "pack_stop", "payload_size", "unpack_block_ops",
-           "unpack_step"]
+__all__ = ["Command", "HEADER", "pack_block_ops", "pack_scores", "pack_step", "pack_stop", "payload_size",
+           "unpack_block_ops", "unpack_scores", "unpack_step"]
 
 HEADER = 8  # int64s: command, up to 6 field lengths, the payload's length
 
@@ -29,6 +29,7 @@ HEADER = 8  # int64s: command, up to 6 field lengths, the payload's length
 class Command(IntEnum):
     STEP = 1  # StepInputs
     BLOCK_OPS = 2  # a plan's block operations, in order
+    SCORE = 3  # blocks to score with the eviction policy (each rank its heads, then averaged)
     STOP = 4  # leave the worker loop
 
 
@@ -73,6 +74,31 @@ def unpack_step(header: Tensor, payload: Tensor) -> StepInputs:
     per_group = [tables[g * seqs:(g + 1) * seqs] for g in range(groups)]
     return StepInputs(token_ids, per_group[0], seq_lens, query_lens, sample_rows,
                       group_block_tables=per_group if grouped else [], evicted_pages=bool(evicted))
+
+
+def pack_scores(requests: list[ScoreRequest]) -> tuple[Tensor, Tensor]:
+    """``(header, payload)`` of a plan's score requests: per request its block and group
+    counts, then its pages (group after group) and first positions."""
+    values: list[int] = []
+    for r in requests:
+        values += [len(r.first_positions), len(r.pages)]
+        values += [page for group in r.pages for page in group] + list(r.first_positions)
+    payload = torch.tensor(values, dtype=torch.int64)
+    return _header(Command.SCORE, payload, len(requests)), payload
+
+
+def unpack_scores(payload: Tensor) -> list[ScoreRequest]:
+    """The score requests :func:`pack_scores` packed (``seq_id`` and ``blocks`` are rank 0's
+    business: -1 and empty)."""
+    values, requests, i = payload.tolist(), [], 0
+    while i < len(values):
+        blocks, groups = values[i], values[i + 1]
+        i += 2
+        pages = [values[i + g * blocks:i + (g + 1) * blocks] for g in range(groups)]
+        i += groups * blocks
+        requests.append(ScoreRequest(-1, [], pages, values[i:i + blocks]))
+        i += blocks
+    return requests
 
 
 def pack_stop() -> Tensor:
