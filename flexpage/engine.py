@@ -18,7 +18,7 @@ from typing import Any, Union
 
 import torch
 
-from flexpage.attention._vec_isa_cache import probe_in_background
+from flexpage.backends.cpu.vec_isa_cache import probe_in_background
 from flexpage.config import EngineConfig, check_kv_budget, parse_size
 from flexpage.conversations import ConversationRegistry
 from flexpage.core.block_manager import BlockManager

@@ -37,8 +37,8 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from flexpage.attention import _cpu_template_tuning, torch_patches
-from flexpage.attention._vec_isa_cache import cpu_vec_isa
+from flexpage.backends.cpu import template_tuning, torch_patches
+from flexpage.backends.cpu.vec_isa_cache import cpu_vec_isa
 from flexpage.attention.errors import check_arg
 from flexpage.attention.paging import AttentionGroup, PagedBatch
 from flexpage.attention.recipe import Recipe
@@ -192,9 +192,9 @@ def gathered_attention_dtype(dtype: torch.dtype, device: torch.device,
                              deterministic: bool = False) -> torch.dtype:
     """The dtype rows over a gathered copy of their keys attend in (prefill rows; in a
     deterministic plan, decode rows outside aligned runs too): ``dtype``, except bf16/fp16 on a CPU whose kernels cannot use
-    AMX (:func:`~flexpage.attention._cpu_template_tuning.packs_for_amx`), where it is float32
+    AMX (:func:`~flexpage.backends.cpu.template_tuning.packs_for_amx`), where it is float32
     -- unless the kernels run bf16 on AVX512-BF16 dot products
-    (:func:`~flexpage.attention._cpu_template_tuning.dot_bf16_option`), faster than float32.
+    (:func:`~flexpage.backends.cpu.template_tuning.dot_bf16_option`), faster than float32.
 
     Otherwise the reduced-precision kernel is the stock vector micro-gemm, which widens every
     load to float32 and rounds the probabilities back before ``P @ V``; float32 inputs run the
@@ -208,7 +208,7 @@ def gathered_attention_dtype(dtype: torch.dtype, device: torch.device,
     """
     if deterministic or device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
         return dtype
-    if _cpu_template_tuning.packs_for_amx(dtype) or (dtype == torch.bfloat16 and _cpu_template_tuning.dot_bf16_option()):
+    if template_tuning.packs_for_amx(dtype) or (dtype == torch.bfloat16 and template_tuning.dot_bf16_option()):
         return dtype
     return torch.float32
 
@@ -219,7 +219,7 @@ def deterministic_decode_in_place(dtype: torch.dtype, device: torch.device) -> b
     (``build_paged_batch(deterministic_in_place=True)``): on CPUs whose kernels for ``dtype``
     do not pack K/V for AMX. A packing kernel over the pool in place is untried in
     deterministic mode (no AMX machine was at hand), so there decode rows keep the gathered copy."""
-    return device.type == "cpu" and not _cpu_template_tuning.packs_for_amx(dtype)
+    return device.type == "cpu" and not template_tuning.packs_for_amx(dtype)
 
 
 def isa_kernel_options(device: torch.device) -> dict:
@@ -235,17 +235,17 @@ def isa_kernel_options(device: torch.device) -> dict:
 
 def kernel_options_for(device: torch.device, kernel_options: dict | None, *, deterministic: bool = False) -> dict:
     """The kernel options of flexpage's paged kernels: the caller's, the ISA, and on the CPU
-    the tuned template (see :mod:`flexpage.attention._cpu_template_tuning`), in its
+    the tuned template (see :mod:`flexpage.backends.cpu.template_tuning`), in its
     deterministic form if asked."""
     options = {**(kernel_options or {}), **isa_kernel_options(device)}
     if device.type != "cpu":
         return options
     if torch_patches.tuning_active():  # stock kernels keep a key of their own
-        options.setdefault(_cpu_template_tuning.TUNED_OPTION, _cpu_template_tuning.TUNING_VERSION)
+        options.setdefault(template_tuning.TUNED_OPTION, template_tuning.TUNING_VERSION)
         if deterministic:
-            options[_cpu_template_tuning.DETERMINISTIC_OPTION] = True
+            options[template_tuning.DETERMINISTIC_OPTION] = True
         else:
-            options.setdefault(_cpu_template_tuning.DOT_BF16_OPTION, _cpu_template_tuning.dot_bf16_option())
+            options.setdefault(template_tuning.DOT_BF16_OPTION, template_tuning.dot_bf16_option())
     elif deterministic:  # the stock template picks its arithmetic by call shape
         raise ValueError("deterministic: attention needs flexpage's tuned CPU template, which is not installed "
                            f"(compile=False or FLEXPAGE_COMPILE=0, {torch_patches.ENV_SWITCH}=0, or torch "
@@ -323,7 +323,7 @@ class FlexRunner:
     ``deterministic``: a query row's output is the same bits in any batch (the batches must be
     planned with ``build_paged_batch(..., deterministic=True)``, so every row reads its keys in
     the same logical blocks); the CPU kernels then take one path for every call shape (see
-    :mod:`flexpage.attention._cpu_template_tuning`).
+    :mod:`flexpage.backends.cpu.template_tuning`).
     """
 
     def __init__(self, recipe: Recipe, *, compile: bool = True, scale: float | None = None,

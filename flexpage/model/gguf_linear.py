@@ -4,7 +4,7 @@ Why: a batch-1 decode step streams every weight from memory once. The default mo
 stores its projections as Q4_1 (32 weights in 20 bytes) and its embedding, which is also its
 LM head, as Q8_0 (34 bytes): dequantised to float32, 425 + 113 MB per forward; as the
 kernel's blocks (scales widened to float32: 24 and 36 bytes), 80 + 31 MB. The op
-(``flexpage::block_linear``, C++ in ``csrc/gguf_linear.cpp``) expands blocks in registers,
+(``flexpage::block_linear``, C++ in ``flexpage/backends/cpu/gguf_linear.cpp``) expands blocks in registers,
 per output row, for up to 12 input rows; for more it expands 16 output rows at a time into a
 float32 panel once per call and multiplies tiles of 6 input rows with it (a register-tiled
 GEMM, where the expansion is paid once rather than once per few rows). On the 2-core AMD
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 GGUF_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 #: bytes of one block as the kernel reads it: the scales as float32, then the same codes
 BLOCK_BYTES = {"Q4_1": 24, "Q8_0": 36}
-_SOURCE = pathlib.Path(__file__).with_name("csrc") / "gguf_linear.cpp"
+_SOURCE = pathlib.Path(__file__).parents[1] / "backends" / "cpu" / "gguf_linear.cpp"
 _CPU_FLAGS = ("avx2", "fma", "f16c")
 #: where a bf16 model keeps its packed weights too (AMX CPUs), its projections read their blocks
 #: up to this many rows, oneDNN's packed bf16 beyond (:func:`block_or_packed_linear`): up to 4
