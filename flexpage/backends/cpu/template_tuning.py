@@ -67,13 +67,13 @@ from __future__ import annotations
 
 import contextvars
 import hashlib
-import os
 import re
 from typing import Any, NamedTuple
 from types import SimpleNamespace
 
 import torch
 
+from flexpage.backends.cpu.description import DOT_BF16_ENV_SWITCH, describe  # noqa: F401  (re-exported)
 from flexpage.backends.cpu.template_edits import (
     AVX2_FP32_CALL,
     AVX2_FP32_HELPERS,
@@ -91,7 +91,6 @@ from flexpage.backends.cpu.template_edits import (
     TAIL_EDITS,
     TUNED_PV_BRANCH,
 )
-from flexpage.backends.cpu.vec_isa_cache import cpu_vec_isa
 
 TUNED_OPTION = "FLEXPAGE_TUNED_CPU_TEMPLATE"
 #: kernel option: every query row computed by the same arithmetic whatever the call's shape (see
@@ -100,7 +99,6 @@ DETERMINISTIC_OPTION = "FLEXPAGE_DETERMINISTIC_CPU_TEMPLATE"
 #: kernel option: bf16 micro-gemms on AVX512-BF16 dot products (see :func:`dot_bf16_option`);
 #: only with :data:`TUNED_OPTION`, never deterministic
 DOT_BF16_OPTION = "FLEXPAGE_AVX512_BF16_DOT"
-DOT_BF16_ENV_SWITCH = "FLEXPAGE_BF16_DOT"  # "0": stock bf16 micro-gemms (for comparisons)
 TUNING_VERSION = 32  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
 # 6: no K/V packing buffers unless packing; 7: only the visited key blocks are packed;
 # 12: float32 prefill micro-gemms block up to 16 rows (8-11: experiments);
@@ -278,9 +276,7 @@ def dot_bf16_option() -> str:
     in before (:func:`~flexpage.attention.flex.gathered_attention_dtype`). Deterministic
     kernels keep the stock arithmetic: their rows must compute alike in any call, and the
     dot products sum in pairs, in another order than the float32 multiply-adds."""
-    if os.environ.get(DOT_BF16_ENV_SWITCH, "1") == "0" or not _compiles_avx512():
-        return ""
-    if not torch.cpu._is_avx512_bf16_supported():
+    if not describe().dot_bf16():
         return ""
     return hashlib.sha256(DOT_BF16_SOURCE.encode()).hexdigest()[:16]
 
@@ -357,17 +353,13 @@ def _rows_blocked(template: Any) -> bool:
 
 
 def _compiles_avx512() -> bool:
-    return "avx512" in cpu_vec_isa().split()  # VecAVX512 and its subclasses (VNNI, AMX)
+    return describe().compiles_avx512()  # VecAVX512 and its subclasses (VNNI, AMX)
 
 
 def packs_for_amx(dtype: torch.dtype) -> bool:
     """Whether kernels for ``dtype`` on this CPU run their products on the AMX brgemm over
-    packed K/V (bf16, or fp16 with AMX-FP16, in the AMX code Inductor compiles here).
-    Everywhere else a reduced-precision kernel runs the vector micro-gemm, which widens every
-    load to float32."""
-    if dtype not in (torch.bfloat16, torch.float16) or "amx_tile" not in cpu_vec_isa().split():
-        return False
-    return dtype == torch.bfloat16 or torch.cpu._is_amx_fp16_supported()
+    packed K/V (:meth:`~flexpage.backends.cpu.description.CPUDescription.packs_for_amx`)."""
+    return describe().packs_for_amx(dtype)
 
 
 def _is_identity(score_mod: Any) -> bool:

@@ -13,7 +13,9 @@ All rewrite private PyTorch code, so :func:`install` applies them only on the to
 versions they were written and tested against (:data:`TESTED_TORCH`, which pyproject's
 torch range matches), only when every private symbol and template text they touch is
 present, and not when ``FLEXPAGE_TORCH_PATCHES=0``. Otherwise flexpage runs PyTorch's stock
-kernels after one warning that says why: correct, but slower for paged attention; a long
+kernels after one warning that says why (and recorded in the CPU description's paths; under
+``FLEXPAGE_KERNEL_FALLBACK=error`` it raises instead, unless the switch asked for stock
+kernels): correct, but slower for paged attention; a long
 paged mask may hit the name clash; and on an AMX CPU whose kernels are compiled for AVX2
 (``ATEN_CPU_CAPABILITY=avx2``) the stock bf16 prefill kernel fails (it packs for AMX). The
 compiled attention paths call it before their first compile (``FlexRunner``,
@@ -33,11 +35,15 @@ from dataclasses import dataclass
 import torch
 
 from flexpage.backends.cpu import canonical_kernel_names, inductor_fix, packed_linear_lowering, template_tuning
+from flexpage.backends.cpu.description import describe
+from flexpage.backends.cpu.fallback import fall_back
 
 #: torch versions (major.minor) the patches were written and tested against
 TESTED_TORCH = ("2.13",)
 #: set to 0 to run PyTorch's stock kernels
 ENV_SWITCH = "FLEXPAGE_TORCH_PATCHES"
+#: the patches' entry in the CPU description's paths
+PATH_NAME = "torch patches"
 
 
 @dataclass(frozen=True)
@@ -60,10 +66,17 @@ def install() -> PatchStatus:
                 reason = "PyTorch's CPU FlexAttention template text is not the one the tuning edits"
         except (ImportError, AttributeError) as error:
             reason = f"a private PyTorch symbol the patches touch is missing ({error})"
+    paths = describe().paths
+    if reason == f"{ENV_SWITCH}=0":  # asked for: no fallback
+        paths.record(PATH_NAME, "stock PyTorch kernels", reason)
+    elif reason:  # FLEXPAGE_KERNEL_FALLBACK=error raises here
+        fall_back(PATH_NAME, "flexpage's Inductor patches are not installed", "stock PyTorch kernels", reason,
+                  warn=False)  # warned below
     if reason:
         warnings.warn(f"flexpage: {reason}; running PyTorch's stock CPU FlexAttention kernels (correct, slower "
                       "for paged attention)", RuntimeWarning, stacklevel=3)
         return PatchStatus(False, reason)
+    paths.record(PATH_NAME, "installed", f"torch {torch.__version__}: tuned CPU template, Inductor fixes")
     return PatchStatus(True)
 
 
