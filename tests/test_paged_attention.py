@@ -729,15 +729,18 @@ def test_gathered_rows_attend_in_float32_where_reduced_precision_kernels_cannot_
     path there widens every load anyway, and is slower), except bf16 where the kernels run
     AVX512-BF16 dot products; with AMX, and off the CPU, they keep their dtype. float32 is
     never changed."""
+    import dataclasses
+
     from flexpage.attention import flex
-    from flexpage.backends.cpu import template_tuning
+    from flexpage.backends.cpu.description import read_machine
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    for amx, dot, bf16, fp16 in ((False, "", torch.float32, torch.float32),
-                                 (False, "digest", torch.bfloat16, torch.float32),
-                                 (True, "", torch.bfloat16, torch.float16)):
-        monkeypatch.setattr(template_tuning, "packs_for_amx", lambda dtype, amx=amx: amx)
-        monkeypatch.setattr(template_tuning, "dot_bf16_option", lambda dot=dot: dot)
+    for isa, avx512_bf16, bf16, fp16 in (("avx2", False, torch.float32, torch.float32),
+                                         ("avx512", True, torch.bfloat16, torch.float32),
+                                         ("avx512 avx512_vnni amx_tile", False, torch.bfloat16, torch.float16)):
+        fake = dataclasses.replace(read_machine(), vec_isa=isa, avx512_bf16=avx512_bf16, amx_fp16=True,
+                                   dot_bf16_switch=True)
+        monkeypatch.setattr(flex, "describe", lambda fake=fake: fake)
         flex.gathered_attention_dtype.cache_clear()
         assert flex.gathered_attention_dtype(torch.bfloat16, cpu) == bf16
         assert flex.gathered_attention_dtype(torch.float16, cpu) == fp16
