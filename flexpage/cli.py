@@ -36,16 +36,16 @@ def _set_kernel_fallback(policy: Optional[str]) -> None:
     """``--kernel-fallback``: checked, then set in the environment (spawned ranks inherit it)."""
     import os
 
-    from flexpage.backends.cpu.fallback import FALLBACK_ENV, fallback_policy
+    from flexpage.backends.cpu.fallback import FALLBACK_ENV, FALLBACK_POLICIES, fallback_policy
 
-    if policy is not None:
-        os.environ[FALLBACK_ENV] = policy
     try:
-        fallback_policy()
+        if policy is not None and policy.strip().lower() not in FALLBACK_POLICIES:
+            raise ValueError(f"got {policy!r}, expected one of {', '.join(FALLBACK_POLICIES)}")
+        if policy is not None:
+            os.environ[FALLBACK_ENV] = policy.strip().lower()
+        fallback_policy()  # the environment's value, if the option was not given
     except ValueError as error:
-        from rich.console import Console
-
-        Console(stderr=True).print(f"[red]error:[/red] --kernel-fallback: {error}")
+        typer.echo(f"error: --kernel-fallback: {error}", err=True)
         raise typer.Exit(2) from error
 
 
