@@ -24,9 +24,9 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from flexpage.backends.cpu import torch_patches
 from flexpage.attention.flex import kernel_options_for
 from flexpage.attention.recipe import Recipe
+from flexpage.backends.cpu import torch_patches
 from flexpage.backends.cpu.saved_programs import Program, compiled_program
 
 KV_BLOCK = 128

@@ -42,13 +42,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flexpage.backends.cpu import torch_patches
 from flexpage.attention.flex import (
     _gathered_group_attention, _group_attention, gathered_attention_dtype, kernel_options_for,
 )
 from flexpage.attention.kv_pool import KVPool
 from flexpage.attention.paging import AttentionGroup, PagedBatch, idle_decode_group
 from flexpage.attention.recipe import Recipe
+from flexpage.backends.cpu import torch_patches
 from flexpage.backends.cpu.saved_programs import Program, SavedProgram, compiled_program
 from flexpage.model.compact import CompactDecoder, rms_norm
 from flexpage.model.gguf_linear import MAX_BLOCK_ROWS, block_linear, block_or_packed_linear, embedding
