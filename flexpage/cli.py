@@ -1,4 +1,5 @@
-"""The ``flexpage`` command: ``generate`` (offline batch) and ``serve`` (OpenAI-compatible HTTP).
+"""The ``flexpage`` command: ``generate`` (offline batch), ``serve`` (OpenAI-compatible HTTP),
+``top`` (watch a server) and ``env`` (a report to paste into a bug report).
 
 Subcommands import their heavy modules only when they run, so ``flexpage --help`` is instant.
 """
@@ -18,12 +19,34 @@ RECIPE_HELP = ("Attention recipe instead of the model's own: 'package.module:att
                "(a Recipe, or a function of no arguments returning one) for every layer, or KIND=RECIPE for the "
                "layers of one kind (full_attention, sliding_attention; repeat the option for both).")
 
+KERNEL_FALLBACK_HELP = ("warn | error: where a flexpage kernel cannot be built or used (the GGUF block kernel, "
+                        "the Inductor patches), fall back to the slower path and say so, or fail. Sets "
+                        "FLEXPAGE_KERNEL_FALLBACK for every process of the run [default: $FLEXPAGE_KERNEL_FALLBACK "
+                        "or warn].")
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Paged FlexAttention LLM engine and server.")
 
 
 @app.callback()
 def _root() -> None:
     """Paged FlexAttention LLM engine and server."""
+
+
+def _set_kernel_fallback(policy: Optional[str]) -> None:
+    """``--kernel-fallback``: checked, then set in the environment (spawned ranks inherit it)."""
+    import os
+
+    from flexpage.backends.cpu.fallback import FALLBACK_ENV, FALLBACK_POLICIES, fallback_policy
+
+    try:
+        if policy is not None and policy.strip().lower() not in FALLBACK_POLICIES:
+            raise ValueError(f"got {policy!r}, expected one of {', '.join(FALLBACK_POLICIES)}")
+        if policy is not None:
+            os.environ[FALLBACK_ENV] = policy.strip().lower()
+        fallback_policy()  # the environment's value, if the option was not given
+    except ValueError as error:
+        typer.echo(f"error: --kernel-fallback: {error}", err=True)
+        raise typer.Exit(2) from error
 
 
 @app.command()
@@ -47,14 +70,17 @@ def generate(
     model_impl: str = typer.Option("auto", help=MODEL_IMPL_HELP),
     recipe: Optional[list[str]] = typer.Option(None, help=RECIPE_HELP),
     deterministic: bool = typer.Option(False, "--deterministic", help=DETERMINISTIC_HELP),
+    kernel_fallback: Optional[str] = typer.Option(None, help=KERNEL_FALLBACK_HELP),
 ) -> None:
     """Generate completions for PROMPTS and print them with a summary."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from flexpage import LLM, SamplingParams
+    from flexpage.backends.cpu.fallback import KernelFallbackError
     from flexpage.model.layer_recipes import parse_recipe_option
 
+    _set_kernel_fallback(kernel_fallback)
     console = Console()
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -72,6 +98,9 @@ def generate(
     except ValueError as error:
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2) from error
+    except KernelFallbackError as error:
+        console.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(1) from error
     start = time.perf_counter()
     with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
@@ -165,13 +194,16 @@ def serve(
     drain_timeout: float = typer.Option(30.0, help="Seconds Ctrl-C waits for in-flight requests before aborting them."),
     warmup: bool = typer.Option(True, help="Run one tiny request before listening (compiles kernels)."),
     log_level: str = typer.Option("warning", help="critical | error | warning | info | debug."),
+    kernel_fallback: Optional[str] = typer.Option(None, help=KERNEL_FALLBACK_HELP),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     from rich.console import Console
 
+    from flexpage.backends.cpu.fallback import KernelFallbackError
     from flexpage.model.layer_recipes import parse_recipe_option
     from flexpage.server.main import ServeSettings, run_server
 
+    _set_kernel_fallback(kernel_fallback)
     if kv_cache_memory is not None and num_blocks is not None:
         Console(stderr=True).print("[red]error:[/red] give either --kv-cache-memory or --num-blocks, not both")
         raise typer.Exit(2)
@@ -200,6 +232,9 @@ def serve(
     except ValueError as error:
         Console(stderr=True).print(f"[red]error:[/red] {error}")
         raise typer.Exit(2) from error
+    except KernelFallbackError as error:
+        Console(stderr=True).print(f"[red]error:[/red] {error}")
+        raise typer.Exit(1) from error
     raise typer.Exit(code)
 
 
@@ -223,6 +258,27 @@ def top(
     except Exception as error:  # noqa: BLE001 - a clear line, not a traceback, for a wrong URL or key
         Console(stderr=True).print(f"[red]error:[/red] {error}")
         raise typer.Exit(1) from error
+
+
+@app.command()
+def env(
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    build_kernels: bool = typer.Option(False, "--build-kernels", help="Build the GGUF block kernel now (~20 s the "
+                                       "first time) and report whether it builds."),
+) -> None:
+    """Print versions, the CPU as flexpage sees it, the paths it takes and why, compile caches and
+    the kernel build state: paste it into a bug report."""
+    import json
+
+    from flexpage.backends.cpu.env_report import collect, render
+    from flexpage.backends.cpu.fallback import KernelFallbackError
+
+    try:
+        report = collect(build_kernels=build_kernels)
+    except KernelFallbackError as error:  # FLEXPAGE_KERNEL_FALLBACK=error and a kernel failed
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(1) from error
+    typer.echo(json.dumps(report, indent=2, default=str) if as_json else render(report))
 
 
 def main() -> None:

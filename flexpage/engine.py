@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from typing import Any
 
@@ -52,13 +51,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
         self.config = config = config or EngineConfig(**kwargs)
-        compile = config.compile and os.environ.get("FLEXPAGE_COMPILE", "1") != "0"
-        if compile:
-            from flexpage.attention._vec_isa_cache import probe_in_background
-
-            probe_in_background()  # the compiled kernels' vector ISA, while the model loads
         self.executor: Executor
-        self.executor, info, kv = build_executor(config, compile)
+        self.executor, info, kv = build_executor(config)
         self.model_path = info.path
         self.dtype = info.dtype
         self.tokenizer = info.tokenizer

@@ -208,7 +208,7 @@ def greedy_in_two_processes(make_llm: Callable[[], Any], prompts: list[list[int]
     """Run ``prompts`` through two engines from ``make_llm()``, the second as a new process
     would (the compiled step programs forgotten in memory, saved under ``program_dir``): each
     engine's greedy tokens, and the saved program files after each."""
-    from flexpage.attention import saved_programs
+    from flexpage.backends.cpu import saved_programs
     from flexpage.model import compiled_step
 
     monkeypatch.setattr(saved_programs, "program_dir", lambda: program_dir)

@@ -65,7 +65,7 @@ def test_the_kv_pool_is_not_mapped_in_a_child():
 def test_a_first_warm_up_loads_the_decode_program_a_child_compiled(tiny_model, monkeypatch, tmp_path):
     from flexpage import LLM
     from flexpage import engine as engine_module
-    from flexpage.attention import saved_programs
+    from flexpage.backends.cpu import saved_programs
     from flexpage.model import compiled_step
 
     programs = {}

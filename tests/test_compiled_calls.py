@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from flexpage.attention import _cpu_template_tuning, torch_patches
+from flexpage.backends.cpu import template_tuning, torch_patches
 from flexpage.attention.flex import VEC_ISA_OPTION, call_compiled, isa_kernel_options, kernel_options_for
 
 
@@ -40,12 +40,12 @@ def test_kernel_options_name_the_tuned_template_the_vector_isa_and_the_bf16_dot_
     assert torch_patches.install().active  # the tested torch: both patches go in
     options = kernel_options_for(torch.device("cpu"), {"PARTITION_SIZE": 512})
     assert options == {"PARTITION_SIZE": 512, VEC_ISA_OPTION: str(pick_vec_isa()),
-                       _cpu_template_tuning.TUNED_OPTION: _cpu_template_tuning.TUNING_VERSION,
-                       _cpu_template_tuning.DOT_BF16_OPTION: _cpu_template_tuning.dot_bf16_option()}
+                       template_tuning.TUNED_OPTION: template_tuning.TUNING_VERSION,
+                       template_tuning.DOT_BF16_OPTION: template_tuning.dot_bf16_option()}
     # deterministic kernels never ask for the bf16 dot products (they keep the stock arithmetic)
     deterministic = kernel_options_for(torch.device("cpu"), None, deterministic=True)
-    assert deterministic[_cpu_template_tuning.DETERMINISTIC_OPTION] is True
-    assert _cpu_template_tuning.DOT_BF16_OPTION not in deterministic
+    assert deterministic[template_tuning.DETERMINISTIC_OPTION] is True
+    assert template_tuning.DOT_BF16_OPTION not in deterministic
     assert isa_kernel_options(torch.device("meta")) == {}
 
 
@@ -59,17 +59,17 @@ def test_inductors_vector_isa_probe_is_kept_on_disk_for_the_next_process(monkeyp
 
     from torch._inductor import cpu_vec_isa as inductor
 
-    from flexpage.attention import _vec_isa_cache
+    from flexpage.backends.cpu import vec_isa_cache
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-    _vec_isa_cache.apply()  # installed once per process (kernel options already did)
+    vec_isa_cache.apply()  # installed once per process (kernel options already did)
     probed = [str(isa) for isa in inductor.valid_vec_isa_list.probe()]  # Inductor's own probe, run now
     inductor.valid_vec_isa_list.cache_clear()  # as a new process
     folder = tmp_path / "flexpage-vec-isa"
     try:
-        _vec_isa_cache.probe_in_background()  # as an engine starts: the caller below waits for its answer
-        picked = _vec_isa_cache.cpu_vec_isa()
+        vec_isa_cache.probe_in_background()  # as an engine starts: the caller below waits for its answer
+        picked = vec_isa_cache.cpu_vec_isa()
         [kept] = folder.iterdir()
         assert json.loads(kept.read_text()) == probed[:1] == [picked]
         assert [str(isa) for isa in inductor.valid_vec_isa_list()] == probed[:1]
@@ -80,7 +80,7 @@ def test_inductors_vector_isa_probe_is_kept_on_disk_for_the_next_process(monkeyp
         monkeypatch.delenv("ATEN_CPU_CAPABILITY")
         kept.write_text(json.dumps(["avx2"]))  # as if this CPU had only AVX2
         inductor.valid_vec_isa_list.cache_clear()
-        assert _vec_isa_cache.cpu_vec_isa() == "avx2"
+        assert vec_isa_cache.cpu_vec_isa() == "avx2"
     finally:
         inductor.valid_vec_isa_list.cache_clear()
 
@@ -98,7 +98,7 @@ _STOCK_RUN = """
 import warnings
 import torch
 from attention_reference import BatchSpec, Geometry, PagedCase, rel_err
-from flexpage.attention import _cpu_template_tuning, torch_patches
+from flexpage.backends.cpu import template_tuning, torch_patches
 from flexpage.attention.flex import kernel_options_for
 from flexpage.recipes import causal
 
@@ -107,7 +107,7 @@ with warnings.catch_warnings(record=True) as caught:
     status = torch_patches.install()
 assert not status.active and status.reason == "FLEXPAGE_TORCH_PATCHES=0", status
 assert [str(w.message) for w in caught if "stock CPU FlexAttention" in str(w.message)], caught
-assert _cpu_template_tuning.TUNED_OPTION not in kernel_options_for(torch.device("cpu"), None)
+assert template_tuning.TUNED_OPTION not in kernel_options_for(torch.device("cpu"), None)
 spec = BatchSpec("mixed", seq_lens=(40, 70), query_lens=(1, 37))
 geometry = Geometry("fp32", torch.float32, q_heads=6, kv_heads=2, head_dim=64, tol=1e-5)
 case = PagedCase(spec, geometry, causal(), page_size=16, num_pages=16, width=8, seed=0)
@@ -135,7 +135,7 @@ def test_kernels_that_differ_only_in_their_size_arguments_get_one_source_and_cal
     """Two graphs pass one attention kernel the same sizes under other names and in another
     order; rewritten to name and order them by first use in the body, the two sources are one
     (one compile), and the returned kernel puts each caller's arguments where they belong."""
-    from flexpage.attention._canonical_kernel_names import canonical_kernel
+    from flexpage.backends.cpu.canonical_kernel_names import canonical_kernel
 
     def source(params: str, batch: str, heads: str) -> str:
         return ('#include <x>\nextern "C"\nvoid kernel(const float* in_ptr0, float* out_ptr0, %s)\n{\n'
@@ -155,7 +155,7 @@ def test_kernels_that_differ_only_in_their_size_arguments_get_one_source_and_cal
 
 
 def test_kernels_already_in_canonical_form_keep_their_source_and_their_direct_call():
-    from flexpage.attention._canonical_kernel_names import canonical_kernel
+    from flexpage.backends.cpu.canonical_kernel_names import canonical_kernel
 
     pointwise = ('extern "C"  void  kernel(const float* in_ptr0, float* out_ptr0, const int64_t ks0, const int64_t ks1)\n'
                  '{ for (int64_t x = 0; x < ks0 * ks1; ++x) out_ptr0[x] = in_ptr0[x]; }\n')

@@ -218,7 +218,8 @@ def test_a_decode_row_reading_aligned_runs_in_place_gets_the_bits_of_a_gathered_
 
 
 def test_deterministic_attention_without_the_tuned_template_is_refused(monkeypatch):
-    from flexpage.attention import flex, torch_patches
+    from flexpage.attention import flex
+    from flexpage.backends.cpu import torch_patches
 
     monkeypatch.setattr(torch_patches, "tuning_active", lambda: False)
     with pytest.raises(ValueError, match="deterministic: attention needs flexpage's tuned CPU template"):

@@ -1,4 +1,4 @@
-"""The AVX512-BF16 dot-product helpers of the tuned attention kernels (``_dot_bf16.h``), alone.
+"""The AVX512-BF16 dot-product helpers of the tuned attention kernels (``dot_bf16.h``), alone.
 
 The kernel tests (tests/test_paged_attention.py) check whole attention calls against float64
 within bf16's tolerance; here the helpers' prefill row blocks and decode tiles are checked
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import flexpage.attention
+import flexpage.backends.cpu
 
-HEADER_DIR = Path(flexpage.attention.__file__).parent
+HEADER_DIR = Path(flexpage.backends.cpu.__file__).parent
 DRIVER = Path(__file__).parent / "native" / "dot_bf16_rows.cpp"
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from flexpage.model import dtypes
+from flexpage.backends.cpu import description
 from flexpage.model.dtypes import default_dtype, parse_dtype
 
 
@@ -62,14 +62,14 @@ def test_default_dtype_is_bf16_only_where_every_kernel_has_native_bf16(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn_bf16)
-    monkeypatch.setattr(dtypes, "cpu_flags", lambda: flags)
-    assert default_dtype() is expected
+    monkeypatch.setattr(description, "cpu_flags", lambda: flags)
+    assert description.read_machine().default_dtype is expected  # describe() read this machine once
 
 
 def test_default_dtype_on_gpu_is_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert default_dtype() is torch.bfloat16
+    assert description.read_machine().default_dtype is torch.bfloat16
 
 
 def test_a_cpu_without_avx512_gets_float32() -> None:

@@ -281,7 +281,7 @@ def test_a_gguf_model_reads_its_blocks_and_gives_hf_greedy_tokens(compile, tiny_
 
 @pytest.mark.usefixtures("single_torch_thread")
 def test_the_next_engine_loads_the_compiled_steps_the_first_saved(tiny_gguf, tiny_gguf_folder, monkeypatch, tmp_path):
-    """A later process skips Dynamo's tracing (:mod:`flexpage.attention.saved_programs`): the second
+    """A later process skips Dynamo's tracing (:mod:`flexpage.backends.cpu.saved_programs`): the second
     engine compiles nothing, reads the first one's programs, and gives the same greedy tokens."""
     from flexpage import LLM
 

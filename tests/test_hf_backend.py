@@ -327,7 +327,7 @@ def test_attention_calls_run_their_compiled_graphs_directly(llama_pair):
     wrappers around it (~50 us of a ~100 us decode call inside a forward): a torch upgrade
     that wraps graphs otherwise must not lose that silently."""
     from flexpage.attention import contiguous
-    from flexpage.attention.saved_programs import SavedProgram
+    from flexpage.backends.cpu.saved_programs import SavedProgram
 
     sdpa, flex = llama_pair
     ids, mask = ragged_batch([40, 37], 128, 0, seed=7)

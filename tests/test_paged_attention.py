@@ -185,7 +185,8 @@ def test_tuned_cpu_template_is_used_only_for_flexpage_kernels(monkeypatch: pytes
     from torch._inductor.utils import run_and_get_code
     from torch.nn.attention.flex_attention import flex_attention
 
-    from flexpage.attention import _cpu_template_tuning, flex
+    from flexpage.attention import flex
+    from flexpage.backends.cpu import template_tuning
 
     def fresh_code_object(*args):  # Dynamo caches per code object: compile anew, whatever ran before
         return flex._group_attention(*args)
@@ -215,8 +216,8 @@ def test_tuned_cpu_template_is_used_only_for_flexpage_kernels(monkeypatch: pytes
     assert ("transpose_b_kernel<3, 16" in codes[torch.bfloat16]) is avx512
     assert "flexpage: P@V through the micro-gemm" not in codes[torch.float32]
     # on CPUs with AVX512-BF16 (AVX-512 code) both bf16 micro-gemms call the dot-product helpers
-    dot = bool(_cpu_template_tuning.dot_bf16_option())
-    switched_off = os.environ.get(_cpu_template_tuning.DOT_BF16_ENV_SWITCH) == "0"
+    dot = bool(template_tuning.dot_bf16_option())
+    switched_off = os.environ.get(template_tuning.DOT_BF16_ENV_SWITCH) == "0"
     assert dot == (avx512 and torch.cpu._is_avx512_bf16_supported() and not switched_off)
     for helper in ("flexpage_dot_bf16::qk<BLOCK_M, accum>", "flexpage_dot_bf16::pv<BLOCK_M, accum>",
                    "flexpage_dot_bf16::exp_sum_bf16(qk_data"):
@@ -231,7 +232,7 @@ def test_tuned_cpu_template_is_used_only_for_flexpage_kernels(monkeypatch: pytes
 
 def test_avx2_float32_prefill_kernels_run_the_avx2_q_k_helper_and_plain_index_loads(monkeypatch: pytest.MonkeyPatch):
     """In AVX2 code (a CPU without AVX-512, or ``ATEN_CPU_CAPABILITY=avx2``) float32 prefill
-    query blocks compute q @ k^T with ``_avx2_fp32.h`` in row blocks, and the mask code loads
+    query blocks compute q @ k^T with ``avx2_fp32.h`` in row blocks, and the mask code loads
     its key indices with plain full-width loads; AVX-512 code has neither. Either way the
     prefill (query blocks with row and column tails) equals the reference."""
     import re
@@ -264,7 +265,7 @@ def test_only_full_width_counted_int64_loads_become_plain_loads():
     """The AVX2 rewrite of Inductor's mask code touches a counted int64 load only where the
     count fills the vectors (2 x 4 lanes) and is the load's own last argument; tail loads,
     whose counts are expressions, partial counts and other calls' arguments are kept."""
-    from flexpage.attention._cpu_template_tuning import _full_int64_loads
+    from flexpage.backends.cpu.template_tuning import _full_int64_loads
 
     load = "auto tmp0 = at::vec::VectorizedN<int64_t,2>::loadu(in_ptr4 + static_cast<int64_t>(x1)"
     assert _full_int64_loads(load + ", static_cast<int64_t>(8));") == load + ");"
@@ -728,14 +729,18 @@ def test_gathered_rows_attend_in_float32_where_reduced_precision_kernels_cannot_
     path there widens every load anyway, and is slower), except bf16 where the kernels run
     AVX512-BF16 dot products; with AMX, and off the CPU, they keep their dtype. float32 is
     never changed."""
-    from flexpage.attention import _cpu_template_tuning, flex
+    import dataclasses
+
+    from flexpage.attention import flex
+    from flexpage.backends.cpu.description import read_machine
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    for amx, dot, bf16, fp16 in ((False, "", torch.float32, torch.float32),
-                                 (False, "digest", torch.bfloat16, torch.float32),
-                                 (True, "", torch.bfloat16, torch.float16)):
-        monkeypatch.setattr(_cpu_template_tuning, "packs_for_amx", lambda dtype, amx=amx: amx)
-        monkeypatch.setattr(_cpu_template_tuning, "dot_bf16_option", lambda dot=dot: dot)
+    for isa, avx512_bf16, bf16, fp16 in (("avx2", False, torch.float32, torch.float32),
+                                         ("avx512", True, torch.bfloat16, torch.float32),
+                                         ("avx512 avx512_vnni amx_tile", False, torch.bfloat16, torch.float16)):
+        fake = dataclasses.replace(read_machine(), vec_isa=isa, avx512_bf16=avx512_bf16, amx_fp16=True,
+                                   dot_bf16_switch=True)
+        monkeypatch.setattr(flex, "describe", lambda fake=fake: fake)
         flex.gathered_attention_dtype.cache_clear()
         assert flex.gathered_attention_dtype(torch.bfloat16, cpu) == bf16
         assert flex.gathered_attention_dtype(torch.float16, cpu) == fp16

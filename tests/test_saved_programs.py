@@ -1,4 +1,4 @@
-"""Compiled programs kept on disk (:mod:`flexpage.attention.saved_programs`).
+"""Compiled programs kept on disk (:mod:`flexpage.backends.cpu.saved_programs`).
 
 * A program compiled once is saved; a new :class:`SavedProgram` of the same key (what the next
   process builds) loads it and runs it without compiling, for any size marked dynamic, with
@@ -28,8 +28,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flexpage.attention import saved_programs
-from flexpage.attention.saved_programs import SavedProgram, fingerprint, prune, saveable_guards
+from flexpage.backends.cpu import saved_programs
+from flexpage.backends.cpu.saved_programs import SavedProgram, fingerprint, prune, saveable_guards
 
 
 def _step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -78,7 +78,7 @@ def test_a_torn_file_is_skipped_with_a_warning(tmp_path, caplog):
     _run(SavedProgram(_step, "k", tmp_path), 5)
     (tmp_path / "k-torn.bin").write_bytes(b"\x80\x04 not a whole program")
     program = SavedProgram(_step, "k", tmp_path)
-    with caplog.at_level(logging.WARNING, logger="flexpage.attention.saved_programs"):
+    with caplog.at_level(logging.WARNING, logger="flexpage.backends.cpu.saved_programs"):
         out, expected = _run(program, 7)
     assert torch.allclose(out, expected)
     assert (program.compiled_here, program.loaded) == (0, 1)

@@ -664,7 +664,7 @@ def test_graceful_shutdown_drains(server: ServerProcess) -> None:
 
 def test_prefill_group_over_16_rows(offline: dict) -> None:
     """Regression: a prefill step with > 16 rows of >= 16 new tokens crashed the compiled CPU kernel
-    (``index out of bounds ... cur_kvSplitSize``, a size-symbol clash fixed in _inductor_fix)."""
+    (``index out of bounds ... cur_kvSplitSize``, a size-symbol clash fixed in inductor_fix)."""
     from flexpage import LLM, SamplingParams
 
     llm = LLM(None, dtype="float32", num_blocks=512)  # same shapes as `offline`: reuses its compiled kernels

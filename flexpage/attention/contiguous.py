@@ -9,7 +9,7 @@ queries pack the query heads that share a kv head into rows (``[B, H_kv, G, D]``
 block is read once per kv head, not once per query head).
 
 One compiled program per recipe and call kind (prefill, decode) serves every call, saved on
-disk and called directly, not through Dynamo (:mod:`flexpage.attention.saved_programs`). Its
+disk and called directly, not through Dynamo (:mod:`flexpage.backends.cpu.saved_programs`). Its
 sizes are dynamic and kept off Dynamo's 0/1 specialisations (index lists and query-block
 lists padded to at least two entries; queries always in HF's ``[B, L, H, D]`` memory order),
 so a new prompt or cache length compiles nothing: a model needs one graph for prefill and
@@ -24,10 +24,10 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from flexpage.attention import torch_patches
 from flexpage.attention.flex import kernel_options_for
 from flexpage.attention.recipe import Recipe
-from flexpage.attention.saved_programs import Program, compiled_program
+from flexpage.backends.cpu import torch_patches
+from flexpage.backends.cpu.saved_programs import Program, compiled_program
 
 KV_BLOCK = 128
 PREFILL_Q_BLOCK = 32
@@ -136,7 +136,7 @@ def _program(recipe: Recipe, q_block: int, heads_per_kv: int, scale: float | Non
              kernel_options: tuple[tuple[str, object], ...]) -> Program:
     """The compiled attention for one set of constants (static shapes but for the sizes each
     call names: floats such as a soft-cap stay constants), saved on disk for the next process
-    (:mod:`flexpage.attention.saved_programs`) unless the recipe cannot be named by its content."""
+    (:mod:`flexpage.backends.cpu.saved_programs`) unless the recipe cannot be named by its content."""
 
     def attention(q: Tensor, k: Tensor, v: Tensor, kv_num_blocks: Tensor, kv_indices: Tensor,
                   full_kv_num_blocks: Tensor, full_kv_indices: Tensor, valid: Tensor, q_start: Tensor,
@@ -224,6 +224,6 @@ def _traced_kernel_options(device: torch.device) -> tuple[tuple[str, object], ..
     """:func:`_kernel_options`' items for a compiled model's trace, which calls this for real
     (once, at trace time) and uses the result as a constant. So flexpage's Inductor patches go
     in before Inductor lowers the model's graph -- without them the CPU template fails on mods
-    that read tensors the graph computes (see :mod:`flexpage.attention._inductor_fix`)."""
+    that read tensors the graph computes (see :mod:`flexpage.backends.cpu.inductor_fix`)."""
     torch_patches.install()
     return tuple(_kernel_options(device).items())

@@ -37,11 +37,12 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from flexpage.attention import _cpu_template_tuning, torch_patches
-from flexpage.attention._vec_isa_cache import cpu_vec_isa
 from flexpage.attention.errors import check_arg
 from flexpage.attention.paging import AttentionGroup, PagedBatch
 from flexpage.attention.recipe import Recipe
+from flexpage.backends.cpu import torch_patches
+from flexpage.backends.cpu.description import describe
+from flexpage.backends.cpu.kernel_options import VEC_ISA_OPTION, attention_kernel_options, isa_options  # noqa: F401
 
 
 def _group_attention(
@@ -183,20 +184,16 @@ def _gathered_group_attention(
                           enable_gqa=q.shape[1] != k.shape[1], kernel_options=kernel_options)
 
 
-#: names the CPU vector ISA a kernel is compiled for (see :func:`kernel_options_for`)
-VEC_ISA_OPTION = "FLEXPAGE_CPU_VEC_ISA"
-
-
 @functools.cache
 def gathered_attention_dtype(dtype: torch.dtype, device: torch.device,
                              deterministic: bool = False) -> torch.dtype:
     """The dtype rows over a gathered copy of their keys attend in (prefill rows; in a
-    deterministic plan, decode rows outside aligned runs too): ``dtype``, except bf16/fp16 on a CPU whose kernels cannot use
-    AMX (:func:`~flexpage.attention._cpu_template_tuning.packs_for_amx`), where it is float32
-    -- unless the kernels run bf16 on AVX512-BF16 dot products
-    (:func:`~flexpage.attention._cpu_template_tuning.dot_bf16_option`), faster than float32.
+    deterministic plan, decode rows outside aligned runs too): ``dtype``, except where the
+    device's kernels run a reduced precision slower than float32 -- on a CPU, bf16/fp16 where
+    they can neither pack for AMX nor run AVX512-BF16 dot products
+    (:meth:`~flexpage.backends.cpu.description.CPUDescription.attention_dtype`).
 
-    Otherwise the reduced-precision kernel is the stock vector micro-gemm, which widens every
+    There the reduced-precision kernel is the stock vector micro-gemm, which widens every
     load to float32 and rounds the probabilities back before ``P @ V``; float32 inputs run the
     tuned template's row-blocked float32 path instead (bf16 prefill rows on stock micro-gemms:
     1.04-1.68x contiguous SDPA's time, as float32 0.80-1.08x; ``bench/prefill.py``). The gather
@@ -206,11 +203,9 @@ def gathered_attention_dtype(dtype: torch.dtype, device: torch.device,
     where they can (``build_paged_batch(deterministic_in_place=True)``), and must compute as
     the same token's row over a gathered copy does.
     """
-    if deterministic or device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+    if deterministic or device.type != "cpu":
         return dtype
-    if _cpu_template_tuning.packs_for_amx(dtype) or (dtype == torch.bfloat16 and _cpu_template_tuning.dot_bf16_option()):
-        return dtype
-    return torch.float32
+    return describe().attention_dtype(dtype)
 
 
 @functools.cache
@@ -219,39 +214,22 @@ def deterministic_decode_in_place(dtype: torch.dtype, device: torch.device) -> b
     (``build_paged_batch(deterministic_in_place=True)``): on CPUs whose kernels for ``dtype``
     do not pack K/V for AMX. A packing kernel over the pool in place is untried in
     deterministic mode (no AMX machine was at hand), so there decode rows keep the gathered copy."""
-    return device.type == "cpu" and not _cpu_template_tuning.packs_for_amx(dtype)
+    return device.type == "cpu" and not describe().packs_for_amx(dtype)
 
 
 def isa_kernel_options(device: torch.device) -> dict:
-    """A kernel option naming the CPU vector ISA Inductor compiles for (empty off the CPU).
-
-    Inductor's FX graph cache does not key compiled graphs by ISA, so a kernel compiled under
-    ``ATEN_CPU_CAPABILITY=avx2`` (or on another CPU sharing the cache directory) was loaded
-    by an AVX-512 process and corrupted its heap. As a kernel option the ISA is part of the
-    graph, hence of the cache key. Every compiled flexpage kernel carries it.
-    """
-    return {VEC_ISA_OPTION: cpu_vec_isa()} if device.type == "cpu" else {}
+    """A kernel option naming the CPU vector ISA Inductor compiles for (empty off the CPU; see
+    :mod:`flexpage.backends.cpu.kernel_options`). Every compiled flexpage kernel carries it."""
+    return isa_options() if device.type == "cpu" else {}
 
 
 def kernel_options_for(device: torch.device, kernel_options: dict | None, *, deterministic: bool = False) -> dict:
-    """The kernel options of flexpage's paged kernels: the caller's, the ISA, and on the CPU
-    the tuned template (see :mod:`flexpage.attention._cpu_template_tuning`), in its
-    deterministic form if asked."""
-    options = {**(kernel_options or {}), **isa_kernel_options(device)}
+    """The kernel options of flexpage's paged kernels: the caller's, and the device backend's
+    (on the CPU the ISA and the tuned template, in its deterministic form if asked: see
+    :func:`flexpage.backends.cpu.kernel_options.attention_kernel_options`)."""
     if device.type != "cpu":
-        return options
-    if torch_patches.tuning_active():  # stock kernels keep a key of their own
-        options.setdefault(_cpu_template_tuning.TUNED_OPTION, _cpu_template_tuning.TUNING_VERSION)
-        if deterministic:
-            options[_cpu_template_tuning.DETERMINISTIC_OPTION] = True
-        else:
-            options.setdefault(_cpu_template_tuning.DOT_BF16_OPTION, _cpu_template_tuning.dot_bf16_option())
-    elif deterministic:  # the stock template picks its arithmetic by call shape
-        raise ValueError("deterministic: attention needs flexpage's tuned CPU template, which is not installed "
-                           f"(compile=False or FLEXPAGE_COMPILE=0, {torch_patches.ENV_SWITCH}=0, or torch "
-                           f"{torch.__version__}'s template text changed); run compiled, or without deterministic")
-    return options
-
+        return dict(kernel_options or {})
+    return attention_kernel_options(kernel_options, deterministic)
 
 
 def check_deterministic_supported(compile: bool) -> None:
@@ -323,7 +301,7 @@ class FlexRunner:
     ``deterministic``: a query row's output is the same bits in any batch (the batches must be
     planned with ``build_paged_batch(..., deterministic=True)``, so every row reads its keys in
     the same logical blocks); the CPU kernels then take one path for every call shape (see
-    :mod:`flexpage.attention._cpu_template_tuning`).
+    :mod:`flexpage.backends.cpu.template_tuning`).
     """
 
     def __init__(self, recipe: Recipe, *, compile: bool = True, scale: float | None = None,

@@ -8,6 +8,7 @@ manager is built from).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 
 from flexpage.attention.eviction import EvictionPolicy
 from flexpage.attention.recipe import Recipe
+from flexpage.backends.cpu.vec_isa_cache import probe_in_background
 from flexpage.config import EngineConfig, parse_size
 from flexpage.core.layer_groups import LayerGroup
 from flexpage.executor import Executor
@@ -62,8 +64,12 @@ class KVSizing:
     bytes_per_block: int
 
 
-def build_executor(config: EngineConfig, compile: bool) -> tuple[Executor, ModelInfo, KVSizing]:
-    """Load ``config.model``, size its KV cache and start the executor that runs it."""
+def build_executor(config: EngineConfig) -> tuple[Executor, ModelInfo, KVSizing]:
+    """Load ``config.model``, size its KV cache and start the executor that runs it
+    (``FLEXPAGE_COMPILE=0`` in the environment runs attention eagerly, for debugging)."""
+    compile = config.compile and os.environ.get("FLEXPAGE_COMPILE", "1") != "0"
+    if compile:
+        probe_in_background()  # the compiled kernels' vector ISA, while the model loads
     path = resolve_model_path(config.model)
     dtype = default_dtype() if config.dtype == "auto" else parse_dtype(config.dtype)
     tokenizer = load_tokenizer(path)

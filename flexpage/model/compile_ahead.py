@@ -6,7 +6,7 @@ the 2-core Zen 5), and only the first's C++ kernels keep both cores busy. Thread
 overlap the two (the GIL, and Dynamo compiles under one lock), and a helper process started
 afresh spends ~5 s importing and loading the model first. A child forked once the model is
 loaded shares its weights, copy-on-write, and starts at once: it compiles the decode steps'
-program and saves it (:mod:`flexpage.attention.saved_programs`), where the parent's first
+program and saves it (:mod:`flexpage.backends.cpu.saved_programs`), where the parent's first
 decode step reads it.
 
 What keeps the fork safe in a process that has threads and thread pools:
@@ -34,7 +34,7 @@ import time
 import warnings
 from collections.abc import Callable
 
-from flexpage.attention._vec_isa_cache import cpu_vec_isa
+from flexpage.backends.cpu.vec_isa_cache import cpu_vec_isa
 
 __all__ = ["ForkedCompile", "compile_in_child"]
 

@@ -20,7 +20,7 @@ What makes the graph cheap to build and to run:
   (:meth:`flexpage.attention.kv_pool.KVPool.layer`), written with ``index_copy_`` in the graph:
   views of one shared storage made Inductor copy whole pools around every write.
 * **Packed weights as inputs**, so that one graph serves every layer; Inductor lowers the
-  oneDNN call through :mod:`flexpage.attention._packed_linear_lowering`. A projection kept as
+  oneDNN call through :mod:`flexpage.backends.cpu.packed_linear_lowering`. A projection kept as
   GGUF blocks passes them instead (its weight is None) and runs ``flexpage::block_linear``
   (:mod:`flexpage.model.gguf_linear`).
 * **Two graphs per model.** Token rows are padded to the packed linears' buckets
@@ -42,14 +42,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flexpage.attention import torch_patches
 from flexpage.attention.flex import (
     _gathered_group_attention, _group_attention, gathered_attention_dtype, kernel_options_for,
 )
 from flexpage.attention.kv_pool import KVPool
 from flexpage.attention.paging import AttentionGroup, PagedBatch, idle_decode_group
 from flexpage.attention.recipe import Recipe
-from flexpage.attention.saved_programs import Program, SavedProgram, compiled_program
+from flexpage.backends.cpu import torch_patches
+from flexpage.backends.cpu.saved_programs import Program, SavedProgram, compiled_program
 from flexpage.model.compact import CompactDecoder, rms_norm
 from flexpage.model.gguf_linear import MAX_BLOCK_ROWS, block_linear, block_or_packed_linear, embedding
 from flexpage.model.packed_linear import PackedLinear, padded_rows, tiled_linear
@@ -282,7 +282,7 @@ _PLAN_SIZES = {"decode": 12, "prefill": 12, "gathered_decode": 12, "row_decode":
 def _program(shape: _Shape, groups: tuple[tuple[str, int, int], ...], layout: tuple) -> Program:
     """The compiled step for one model shape, one set of attention groups ((kind, query block,
     key block) each) and one :func:`_layout` of weights and pools, shared by every runner of
-    those: saved on disk for the next process (:mod:`flexpage.attention.saved_programs`), except
+    those: saved on disk for the next process (:mod:`flexpage.backends.cpu.saved_programs`), except
     under tensor parallelism (the graph holds the rank's process group) or where a constant
     cannot be named by its content."""
     return compiled_program(_forward(shape, groups), shape, groups, layout, unguarded=_UNGUARDED,

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["cpu_flags", "default_dtype", "parse_dtype"]
+from flexpage.backends.cpu.description import describe
+
+__all__ = ["default_dtype", "parse_dtype"]
 
 _DTYPE_ALIASES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -14,7 +16,6 @@ _DTYPE_ALIASES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-_BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
 
 
 def default_dtype() -> torch.dtype:
@@ -22,39 +23,11 @@ def default_dtype() -> torch.dtype:
 
     bfloat16 halves memory traffic, but on CPUs without native bf16 support
     (AMX or AVX512-BF16) PyTorch emulates it and is *slower* than float32, so
-    float32 is the safe default there. GPUs always get bfloat16.
+    float32 is the safe default there. GPUs always get bfloat16. The rule, and why it picked
+    what it did, live in the CPU description
+    (:attr:`~flexpage.backends.cpu.description.CPUDescription.default_dtype`).
     """
-    if torch.cuda.is_available():
-        return torch.bfloat16
-    return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
-
-
-def _cpu_has_native_bf16() -> bool:
-    """True when every kernel a step runs has native bf16 on this CPU.
-
-    Three things must hold: ATen's (and Inductor's) vector code is AVX-512 (under AVX2 it
-    converts bf16 element by element; ``ATEN_CPU_CAPABILITY=avx2`` simulates such a CPU),
-    oneDNN runs bf16 matmuls (it needs at least AVX-512; ``ONEDNN_MAX_CPU_ISA`` lowers it),
-    and the CPU has bf16 instructions (``avx512_bf16`` or ``amx_bf16``: without them oneDNN
-    emulates bf16 too).
-    """
-    if not str(torch.backends.cpu.get_cpu_capability()).upper().startswith("AVX512"):
-        return False
-    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        return False
-    return bool(_BF16_CPU_FLAGS & cpu_flags())
-
-
-def cpu_flags() -> set[str]:
-    """CPU feature flags from /proc/cpuinfo; empty where it is unavailable."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    return set(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return set()
+    return describe().default_dtype
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

@@ -4,7 +4,7 @@ Why: a batch-1 decode step streams every weight from memory once. The default mo
 stores its projections as Q4_1 (32 weights in 20 bytes) and its embedding, which is also its
 LM head, as Q8_0 (34 bytes): dequantised to float32, 425 + 113 MB per forward; as the
 kernel's blocks (scales widened to float32: 24 and 36 bytes), 80 + 31 MB. The op
-(``flexpage::block_linear``, C++ in ``csrc/gguf_linear.cpp``) expands blocks in registers,
+(``flexpage::block_linear``, C++ in ``flexpage/backends/cpu/gguf_linear.cpp``) expands blocks in registers,
 per output row, for up to 12 input rows; for more it expands 16 output rows at a time into a
 float32 panel once per call and multiplies tiles of 6 input rows with it (a register-tiled
 GEMM, where the expansion is paid once rather than once per few rows). On the 2-core AMD
@@ -31,36 +31,31 @@ with ``d * q`` exact), which :func:`gguf_blocks` checks for every weight before 
 results differ from the float32 path only in summation order.
 
 The kernel is compiled on first use (~20 s, then cached by ``torch.utils.cpp_extension``) on
-x86 CPUs with AVX2, FMA and F16C; elsewhere :func:`available` is False and the float32
-weights run as before.
+x86 CPUs with AVX2, FMA and F16C (:mod:`flexpage.backends.cpu.block_kernel`); elsewhere
+:func:`available` is False and the float32 weights run as before -- said in the ``flexpage
+serve`` banner, ``flexpage env`` and ``/metrics``, or refused with ``FLEXPAGE_KERNEL_FALLBACK=error``.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import os
-import pathlib
-import shutil
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
-from flexpage.model.dtypes import cpu_flags
+from flexpage.backends.cpu import block_kernel
+from flexpage.backends.cpu.description import describe
 from flexpage.model.gguf_file import gguf_tensors
 
 __all__ = ["MAX_BLOCK_ROWS", "available", "block_linear", "blocks_at_every_row", "block_or_packed_linear", "embedding", "expand", "gguf_blocks",
            "repack"]
 
-log = logging.getLogger(__name__)
-
 #: bytes of one GGUF block of 32 weights: fp16 scale d [, fp16 offset m], then the codes
 GGUF_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 #: bytes of one block as the kernel reads it: the scales as float32, then the same codes
 BLOCK_BYTES = {"Q4_1": 24, "Q8_0": 36}
-_SOURCE = pathlib.Path(__file__).with_name("csrc") / "gguf_linear.cpp"
-_CPU_FLAGS = ("avx2", "fma", "f16c")
 #: where a bf16 model keeps its packed weights too (AMX CPUs), its projections read their blocks
 #: up to this many rows, oneDNN's packed bf16 beyond (:func:`block_or_packed_linear`): up to 4
 #: rows the blocks' 16-wide float32 path took 0.41-0.56x packed bf16's time on the Zen 5.
@@ -77,20 +72,11 @@ _HF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output.weigh
 
 @functools.cache
 def available() -> bool:
-    """True once the kernel is built and registered (x86 with AVX2/FMA/F16C and a C++ compiler)."""
-    if not set(_CPU_FLAGS) <= cpu_flags():
-        return False
-    from torch.utils import cpp_extension
-
-    _put_ninja_on_path()
-    try:  # built under $TORCH_EXTENSIONS_DIR (~/.cache/torch_extensions), rebuilt when the source changes
-        cpp_extension.load(name="flexpage_gguf_linear", sources=[str(_SOURCE)],
-                           # OpenMP: at::parallel_for is inline code; libgomp.so.1 is the one torch loaded
-                           extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                           is_python_module=False,
-                           verbose=os.environ.get("FLEXPAGE_VERBOSE_BUILD") == "1")
-    except (OSError, RuntimeError, ImportError) as error:  # no compiler, or the build failed
-        log.warning("GGUF block kernel not built, projections run in float32: %s", error)
+    """True once the kernel is built and registered (x86 with AVX2/FMA/F16C and a C++ compiler).
+    Where it cannot be, the fallback is recorded and warned about once, or raised as
+    :class:`~flexpage.backends.cpu.fallback.KernelFallbackError` under
+    ``FLEXPAGE_KERNEL_FALLBACK=error`` (:mod:`flexpage.backends.cpu.block_kernel`)."""
+    if not block_kernel.build():
         return False
     torch.library.register_fake("flexpage::block_linear")(_block_linear_shape)
     torch.library.register_fake("flexpage::block_or_packed_linear")(_block_or_packed_linear_shape)
@@ -105,20 +91,7 @@ def blocks_at_every_row(dtype: torch.dtype) -> bool:
         return False
     if dtype == torch.float32:
         return True
-    return (dtype == torch.bfloat16 and torch.ops.flexpage.has_bf16_panels()
-            and "amx_bf16" not in cpu_flags())
-
-
-def _put_ninja_on_path() -> None:
-    """The build runs ``ninja``: the one installed with flexpage (the ``ninja`` package) where the
-    environment's scripts are not on ``PATH`` (a virtual environment used without activating it)."""
-    if shutil.which("ninja") is not None:
-        return
-    try:
-        import ninja
-    except ImportError:
-        return
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    return dtype == torch.bfloat16 and describe().bf16_blocks_at_every_row(bool(torch.ops.flexpage.has_bf16_panels()))
 
 
 def _block_linear_shape(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:

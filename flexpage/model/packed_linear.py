@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flexpage.backends.cpu.description import describe
 from flexpage.model.gguf_linear import MAX_BLOCK_ROWS, block_linear, blocks_at_every_row
 
 __all__ = ["PackedLinear", "can_prepack", "padded_rows", "row_step", "tiled_linear", "tiled_rows"]
@@ -49,9 +50,7 @@ def row_step(dtype: torch.dtype) -> int:
     """Packed inputs of ``dtype`` are padded to a multiple of this many rows at least: bf16 16
     where AMX tiles hold 16 rows (fewer cost as much), 8 where the vector kernels' cost grows
     with the rows; float32 2 (its cost grows from 2 rows; and the compiled step needs 2)."""
-    if dtype == torch.float32:
-        return 2
-    return 16 if torch.cpu._is_amx_tile_supported() else 8
+    return describe().row_step(dtype)
 
 
 #: the row step of bf16 weights, the dtype most callers pad for
@@ -70,11 +69,7 @@ def padded_rows(rows: int, row_step: int = ROW_STEP) -> int:
 def can_prepack(weight: Tensor) -> bool:
     """True when ``weight`` would run faster packed for oneDNN (on the CPU: float32 wherever
     oneDNN is built in, bf16 where oneDNN has bf16 kernels)."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if weight.dtype == torch.float32:
-        return True
-    return weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return weight.device.type == "cpu" and describe().can_prepack(weight.dtype)
 
 
 def tiled_rows(matmul: Callable[[Tensor], Tensor], x: Tensor, row_tile: int) -> Tensor:
@@ -153,6 +148,28 @@ class PackedLinear:
         self.packed = not blocks_only and prepack and can_prepack(weight)
         self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT) if self.packed
                        else None if self.blocks is not None else weight)
+        self._record_path(weight, blocks is not None)
+
+    def _record_path(self, weight: Tensor, offered_blocks: bool) -> None:
+        """Say in the CPU description's paths which path this projection takes, and why."""
+        dtype = str(weight.dtype).removeprefix("torch.")
+        if self.blocks is not None:
+            choice = (f"GGUF blocks ({dtype})" if self.weight is None
+                      else f"GGUF blocks up to {MAX_BLOCK_ROWS} rows, oneDNN packed {dtype} beyond")
+            reason = ("the block kernel covers every row count here" if self.weight is None
+                      else "AMX: oneDNN's bf16 tiles outrun the blocks' panels on many rows")
+        elif self.row_tile is not None:
+            choice = f"{'oneDNN packed' if self.packed else 'F.linear'} {dtype} in tiles of {self.row_tile} rows"
+            reason = "deterministic: every row through the same kernel"
+        elif self.packed:
+            choice, reason = f"oneDNN packed {dtype}", f"rows padded to buckets of {self.row_step}"
+        else:
+            choice = f"F.linear {dtype}"
+            reason = ("not packed (prepack off)" if weight.device.type == "cpu" and describe().can_prepack(weight.dtype)
+                      else f"oneDNN has no packed {dtype} kernel here")
+        if offered_blocks and self.blocks is None:
+            reason += "; the GGUF blocks unused (deterministic, or the dtype)"
+        describe().paths.record("projections", choice, reason)
 
     @property
     def owns_weight(self) -> bool:

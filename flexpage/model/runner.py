@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flexpage.attention import torch_patches
+from flexpage.backends.cpu import torch_patches
 from flexpage.attention.flex import (
     FlexRunner, check_deterministic_supported, deterministic_decode_in_place, raised_compile_limits,
 )

@@ -161,6 +161,21 @@ def _gib(num_bytes: int) -> str:
     return f"{num_bytes / (1 << 30):.2f} GiB"
 
 
+def cpu_summary() -> str:
+    """The CPU and each path this process took (a fallback in red, with why), from the CPU
+    description (:mod:`flexpage.backends.cpu.description`)."""
+    from rich.markup import escape
+
+    from flexpage.backends.cpu.description import describe
+
+    description = describe()
+    lines = [escape(description.summary())]
+    for path in description.paths.paths():
+        line = escape(f"{path.name}: {path.choice}" + (f" ({path.reason})" if path.reason else ""))
+        lines.append(line if path.ok else f"[bold red]fallback: {line}[/bold red]")
+    return "\n".join(lines)
+
+
 def recipe_summary(recipes: Any) -> str:
     """Each distinct recipe with the layers that run it, e.g. ``causal+sliding_window(4096) (layers 0-24/2)``."""
     layers: dict[Any, list[int]] = {}
@@ -221,6 +236,7 @@ def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str
                   if engine.tier_storage is not None else "none (cached blocks the pool evicts are lost)")
     table.add_row("attention", "torch.compile (FlexAttention kernels)" if engine.runner.compile
                   else "eager (no torch.compile)")
+    table.add_row("CPU", cpu_summary())
     table.add_row("recipes", recipe_summary(engine.recipes) + ("" if engine.runner.recipes_from_model
                                                               else "  (--recipe)"))
     table.add_row("layers", _layers_summary(engine))

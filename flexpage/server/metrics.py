@@ -82,6 +82,11 @@ METRIC_DOCS: dict[str, tuple[str, str]] = {
     "flexpage_time_to_first_token_seconds": ("histogram", "Time from request arrival to its first token."),
     "flexpage_inter_token_latency_seconds": ("histogram", "Time between consecutive tokens of a request."),
     "flexpage_e2e_request_latency_seconds": ("histogram", "Time from request arrival to its last token."),
+    "flexpage_cpu_path_info": ("gauge", "1 for each path this process takes (dtype, torch patches, attention "
+                                        "kernels, projections, GGUF block kernel), by path, choice and ok "
+                                        "(false: a fallback, see the reason in the banner or flexpage env)."),
+    "flexpage_kernel_fallbacks": ("gauge", "Paths that fell back to a slower one because a kernel could not be built "
+                                           "or used (0 when every kernel runs)."),
 }
 
 
@@ -101,6 +106,22 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(name, help, value=float(stats.get(key, 0)))
 
 
+class _PathCollector(Collector):
+    """The CPU description's record of paths taken (:mod:`flexpage.backends.cpu.description`)."""
+
+    def collect(self) -> Iterator[Metric]:
+        from flexpage.backends.cpu.description import describe
+
+        paths = describe().paths.paths()
+        info = GaugeMetricFamily("flexpage_cpu_path_info", METRIC_DOCS["flexpage_cpu_path_info"][1],
+                                 labels=["path", "choice", "ok"])
+        for path in paths:
+            info.add_metric([path.name, path.choice, "true" if path.ok else "false"], 1.0)
+        yield info
+        yield GaugeMetricFamily("flexpage_kernel_fallbacks", METRIC_DOCS["flexpage_kernel_fallbacks"][1],
+                                value=float(sum(not path.ok for path in paths)))
+
+
 class ServerMetrics:
     """The server's registry: engine snapshot collector, latency histograms, request counters."""
 
@@ -108,6 +129,7 @@ class ServerMetrics:
         disable_created_metrics()  # no *_created series: they only add noise to every scrape
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats))
+        self.registry.register(_PathCollector())
         self.ttft = Histogram("flexpage_time_to_first_token_seconds", METRIC_DOCS[
             "flexpage_time_to_first_token_seconds"][1], buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram("flexpage_inter_token_latency_seconds", METRIC_DOCS[

@@ -1,4 +1,4 @@
-// Checks flexpage_dot_bf16::rows_of_16 (flexpage/attention/_dot_bf16.h) against a float64
+// Checks flexpage_dot_bf16::rows_of_16 (flexpage/backends/cpu/dot_bf16.h) against a float64
 // reference over the shapes a prefill kernel hands it: 16-row blocks, tails of columns, odd
 // value counts, every copy stride (head dims 32-256, key blocks up to 256), with and without
 // accumulation, and nothing written past the last column; and flexpage_dot_bf16::qk over the
@@ -9,7 +9,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "_dot_bf16.h"
+#include "dot_bf16.h"
 
 namespace {
 uint16_t to_bf16(float f) {

@@ -9,7 +9,7 @@ rounds bf16 differently from the eager ops and (``add``) fails to lower. The com
 serves every layer. For such weights this patch makes the op an extern call of the same
 kernel eager code runs, and keeps the pattern matcher from fusing into it; graphs with
 constant weights lower and fuse as before. Installed by
-:func:`flexpage.attention.torch_patches.install`.
+:func:`flexpage.backends.cpu.torch_patches.install`.
 """
 
 from __future__ import annotations

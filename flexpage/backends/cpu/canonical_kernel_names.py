@@ -14,7 +14,7 @@ that order. Kernels that compute the same thing then have one source, one cache 
 shared object, in this process and the next. Renaming and reordering a kernel's own
 parameters changes nothing it computes. Inductor's pointwise kernels are already named and
 ordered that way: they keep their source, their cache keys and their direct call.
-Installed by :func:`flexpage.attention.torch_patches.install`.
+Installed by :func:`flexpage.backends.cpu.torch_patches.install`.
 """
 
 from __future__ import annotations

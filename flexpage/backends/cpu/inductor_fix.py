@@ -19,7 +19,7 @@ enough size variables to hit this. Worse, the block-size symbols get names ``ks{
 that can equal the ``k{symbol}`` name of a size variable the template registered first
 (``ks6`` twice), so even an exact substitution rewrites the wrong bound. The fix names the
 two block-size symbols uniquely up front and substitutes those names with word boundaries.
-It only touches that one method, and is installed by :func:`flexpage.attention.torch_patches.install`.
+It only touches that one method, and is installed by :func:`flexpage.backends.cpu.torch_patches.install`.
 """
 
 from __future__ import annotations
