@@ -10,6 +10,7 @@ import torch
 
 from flexpage.attention.kv_pool import KV_LAYOUTS
 from flexpage.core.kv_tiers import TIER_POLICIES
+from flexpage.features import check_combination, check_features
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
 # Pages of 8 tokens: the last, partly filled page of a sequence wastes half as much as with
@@ -48,10 +49,9 @@ def parse_size(text: str | int, name: str = "kv_cache_memory") -> int:
 def check_kv_budget(name: str, budget: object, block_size: int, deterministic: bool = False) -> int:
     """A KV budget in tokens: an int, a multiple of ``block_size`` and at least 3 blocks (the
     first block, the newest and one more are kept whatever the policy), on an engine that is
-    not deterministic (its decode rows read gathered keys, which cannot skip evicted blocks)."""
+    not deterministic (:data:`flexpage.features.INCOMPATIBLE`)."""
     if deterministic:
-        raise ValueError(f"{name}: KV budgets are not available in deterministic mode (its decode rows read "
-                         "gathered keys, which cannot skip evicted blocks)")
+        check_features(("kv_budget", "deterministic"))
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 3 * block_size or budget % block_size:
         raise ValueError(f"{name}: got {budget!r}, expected a multiple of the block size ({block_size}) "
                          f"of at least 3 blocks ({3 * block_size} tokens)")
@@ -157,7 +157,7 @@ class EngineConfig:
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl: got {self.model_impl!r}, expected one of {MODEL_IMPLS}")
         if self.kv_budget_tokens is not None:
-            check_kv_budget("kv_budget_tokens", self.kv_budget_tokens, self.block_size, self.deterministic)
+            check_kv_budget("kv_budget_tokens", self.kv_budget_tokens, self.block_size)
         for name in ("host_kv_bytes", "disk_kv_bytes"):
             if parse_size(getattr(self, name), name) < 0:
                 raise ValueError(f"{name}: got {getattr(self, name)!r}, expected a size >= 0")
@@ -166,23 +166,20 @@ class EngineConfig:
         if (self.disk_kv_dir is None) != (parse_size(self.disk_kv_bytes) == 0):
             raise ValueError(f"disk_kv_dir and disk_kv_bytes go together: got disk_kv_dir={self.disk_kv_dir!r}, "
                              f"disk_kv_bytes={self.disk_kv_bytes!r}")
-        if parse_size(self.host_kv_bytes) and not self.enable_prefix_caching:
-            raise ValueError("host_kv_bytes: tiers hold prefix-cache blocks; enable_prefix_caching must be True")
         if self.kv_tier_policy not in TIER_POLICIES:
             raise ValueError(f"kv_tier_policy: got {self.kv_tier_policy!r}, expected one of {TIER_POLICIES}")
         self._check_kv_layout()
         self._check_tensor_parallel()
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: got {self.quantization!r}, expected one of {QUANTIZATIONS}")
-        if self.quantization == "int8":
-            for name, unsupported in (("deterministic", self.deterministic),
-                                      ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
-                                      ("model_impl='transformers'", self.model_impl == "transformers")):
-                if unsupported:
-                    raise ValueError(f"quantization: 'int8' runs on the compact forward in one process, "
-                                     f"not with {name}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode: got {self.preemption_mode!r}, expected 'recompute' or 'swap'")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: got {getattr(self, name)!r}, expected True or False")
+        check_combination(self)  # which options combine: flexpage.features
+        if self.kv_layout == "virtual":
+            self.enable_prefix_caching = False  # a row is one sequence's: nothing to share
 
     def _check_kv_layout(self) -> None:
         if self.kv_layout not in KV_LAYOUTS:
@@ -193,15 +190,6 @@ class EngineConfig:
                                  "kv_cache_memory)")
             if parse_size(self.kv_resident_bytes, "kv_resident_bytes") <= 0:
                 raise ValueError(f"kv_resident_bytes: got {self.kv_resident_bytes!r}, expected a positive size")
-        if self.kv_layout != "virtual":
-            return
-        for name, unsupported in (("deterministic", self.deterministic),
-                                  ("kv_budget_tokens", self.kv_budget_tokens is not None),
-                                  ("host_kv_bytes", parse_size(self.host_kv_bytes, "host_kv_bytes") > 0)):
-            if unsupported:
-                raise ValueError(f"{name}: not available with kv_layout='virtual' (it needs the paged layout's "
-                                 "block tables)")
-        self.enable_prefix_caching = False  # a row is one sequence's: nothing to share
 
     def _check_tensor_parallel(self) -> None:
         size = self.tensor_parallel_size
@@ -210,15 +198,6 @@ class EngineConfig:
         timeout = self.tensor_parallel_timeout
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
             raise ValueError(f"tensor_parallel_timeout: got {timeout!r}, expected a positive number of seconds")
-        if size == 1:
-            return
-        # each needs what only rank 0 sees: a forward that sums like one process, eviction
-        # scores over every head, tier copies of every rank's share
-        for name, unsupported in (("deterministic", self.deterministic),
-                                  ("kv_budget_tokens", self.kv_budget_tokens is not None),
-                                  ("host_kv_bytes", parse_size(self.host_kv_bytes, "host_kv_bytes") > 0)):
-            if unsupported:
-                raise ValueError(f"{name}: not available with tensor_parallel_size > 1 yet")
 
     def blocks_per_attention_block(self, dtype: torch.dtype) -> int:
         """KV blocks per attention key block (the allocator's run length) for a pool of ``dtype``."""

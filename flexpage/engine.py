@@ -32,6 +32,7 @@ from flexpage.core.sequence import Sequence, SequenceStatus
 from flexpage.errors import InvalidParameter
 from flexpage.executor import Executor, ForwardFailed, SampleRow, StepPlan, StepResult
 from flexpage.executor.factory import build_executor
+from flexpage.features import check_request
 from flexpage.input_processor import InputProcessor, PromptInput, check_optional_name
 from flexpage.kv_view import kv_view
 from flexpage.model.kv_tier_storage import TierStorage
@@ -142,11 +143,9 @@ class LLMEngine:
         if params.kv_budget is None:
             budget = self.config.kv_budget_tokens
         else:
-            if self.config.tensor_parallel_size > 1:
-                raise InvalidParameter("kv_budget", "kv_budget: not available with tensor_parallel_size > 1 yet")
             try:
-                budget = check_kv_budget("kv_budget", params.kv_budget, self.config.block_size,
-                                         self.config.deterministic)
+                check_request(self.config, "kv_budget")
+                budget = check_kv_budget("kv_budget", params.kv_budget, self.config.block_size)
             except ValueError as error:
                 raise InvalidParameter("kv_budget", str(error)) from None
         return budget if self.eviction_policy.token_scores is not None else None

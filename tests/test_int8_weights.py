@@ -92,14 +92,14 @@ def test_an_int8_engine_gives_hf_greedy_tokens_of_the_quantised_model(compile, t
 
 
 @pytest.mark.parametrize(("config", "reason"), [
-    (dict(tensor_parallel_size=2), "not with tensor_parallel_size > 1"),
-    (dict(deterministic=True), "not with deterministic"),
-    (dict(model_impl="transformers"), "not with model_impl='transformers'"),
+    (dict(tensor_parallel_size=2), "tensor_parallel_size > 1 cannot be combined with quantization='int8'"),
+    (dict(deterministic=True), "deterministic=True cannot be combined with quantization='int8'"),
+    (dict(model_impl="transformers"), "quantization='int8' cannot be combined with model_impl="),
 ])
 def test_int8_refuses_what_it_cannot_run_with(config, reason):
     from flexpage.config import EngineConfig
 
-    with pytest.raises(ValueError, match=f"quantization: 'int8' runs on the compact forward in one process, {reason}"):
+    with pytest.raises(ValueError, match=reason):
         EngineConfig(quantization="int8", **config)
 
 

@@ -143,9 +143,9 @@ def test_admission_waits_for_a_free_row_and_rejects_what_can_never_fit():
 
 
 @pytest.mark.parametrize(("config", "message"), [
-    (dict(kv_layout="virtual", deterministic=True), "deterministic: not available with kv_layout='virtual'"),
-    (dict(kv_layout="virtual", kv_budget_tokens=64), "kv_budget_tokens: not available"),
-    (dict(kv_layout="virtual", host_kv_bytes="1MiB"), "host_kv_bytes: not available"),
+    (dict(kv_layout="virtual", deterministic=True), "kv_layout='virtual' cannot be combined with deterministic"),
+    (dict(kv_layout="virtual", kv_budget_tokens=64), "kv_layout='virtual' cannot be combined with kv_budget_tokens"),
+    (dict(kv_layout="virtual", host_kv_bytes="1MiB"), "kv_layout='virtual' cannot be combined with host_kv_bytes"),
     (dict(kv_resident_bytes="1GiB"), "kv_resident_bytes: applies to kv_layout='virtual'"),
     (dict(kv_layout="virtual", kv_resident_bytes="0"), "kv_resident_bytes: got '0'"),
     (dict(kv_layout="contiguous"), r"kv_layout: got 'contiguous', expected one of \('paged', 'virtual'\)"),

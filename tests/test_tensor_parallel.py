@@ -89,9 +89,8 @@ def test_smollm2_splits_over_3_ranks_and_is_refused_on_2_naming_its_heads(defaul
 @pytest.mark.parametrize(("config", "message"), [
     (dict(tensor_parallel_size=0), "tensor_parallel_size: got 0"),
     (dict(tensor_parallel_timeout=0), "tensor_parallel_timeout: got 0"),
-    (dict(tensor_parallel_size=2, deterministic=True), "deterministic: not available with tensor_parallel"),
-    (dict(tensor_parallel_size=2, kv_budget_tokens=64), "kv_budget_tokens: not available with tensor_parallel"),
-    (dict(tensor_parallel_size=2, host_kv_bytes="1MiB"), "host_kv_bytes: not available with tensor_parallel"),
+    (dict(tensor_parallel_size=2, deterministic=True), "tensor_parallel_size > 1 cannot be combined with deterministic"),
+    (dict(tensor_parallel_size=2, host_kv_bytes="1MiB"), "host_kv_bytes > 0 cannot be combined with tensor_parallel_size > 1"),
 ])
 def test_settings_tensor_parallelism_cannot_serve_are_named(config, message):
     with pytest.raises(ValueError, match=message):
@@ -209,6 +208,23 @@ def test_two_ranks_match_one_process_under_swap_preemption_with_alibi(tiny_model
     try:
         assert _greedy(llm, prompts, 16, ignore_eos=True) == expected
         assert llm.engine.stats()["preemptions"] > 0
+    finally:
+        _close(llm)
+
+
+def test_two_ranks_evict_the_blocks_one_process_evicts_under_a_kv_budget(tiny_model, llm_factory):
+    """Each rank scores its own KV heads and the ranks average: the same blocks go, so the
+    same tokens come out as in one process."""
+    folder = tiny_model("llama", num_key_value_heads=4)
+    prompts = random_prompts((70, 45, 90), seed=11)
+    config = dict(block_size=8, kv_budget_tokens=32, num_blocks=96)
+    one = llm_factory(folder, **config)
+    expected = _greedy(one, prompts, 12, ignore_eos=True)
+    llm = LLM(str(folder), dtype="float32", compile=False, tensor_parallel_size=2, **config)
+    try:
+        assert _greedy(llm, prompts, 12, ignore_eos=True) == expected
+        evicted = llm.engine.stats()["kv_evicted_blocks"]
+        assert evicted > 0 and evicted == one.engine.stats()["kv_evicted_blocks"]
     finally:
         _close(llm)
 

@@ -53,6 +53,7 @@ from flexpage.config import MODEL_IMPLS
 from flexpage.core.kv_ops import BlockOp, BlockOpKind
 from flexpage.core.layer_groups import LayerGroup, plan_layer_groups
 from flexpage.core.scheduler_output import StepInputs
+from flexpage.features import check_features
 from flexpage.model import gguf_linear
 from flexpage.model.compact import CompactDecoder, supports
 from flexpage.model.compiled_step import CompiledStep
@@ -243,7 +244,7 @@ class ModelRunner:
         if deterministic:
             check_deterministic_supported(compile)
             if kv_layout != "paged":
-                raise ValueError("kv_layout: deterministic mode runs on the paged layout only")
+                check_features(("deterministic", "virtual"))
         row_tile = DETERMINISTIC_ROW_TILE if deterministic else None
         self.parallel = parallel
         if parallel is not None:
@@ -396,13 +397,13 @@ class ModelRunner:
 
 
 def check_parallel_supported(model: torch.nn.Module, model_impl: str, deterministic: bool) -> None:
-    """Raise ValueError unless ``model`` can run tensor-parallel with these settings."""
-    if model_impl == "transformers" or not supports(model):
+    """Raise ValueError unless ``model`` can run tensor-parallel with these settings (the
+    options' pairs: :mod:`flexpage.features`; here what the model adds)."""
+    check_features(("tensor_parallel",) + (("transformers_impl",) if model_impl == "transformers" else ())
+                   + (("deterministic",) if deterministic else ()))
+    if not supports(model):
         raise ValueError(f"tensor parallelism runs on the compact forward (Llama, Mistral, Qwen2, Qwen3), not on "
-                         f"model_type={model.config.model_type!r} with model_impl={model_impl!r}")
-    if deterministic:
-        raise ValueError("deterministic: not available with tensor parallelism (the all-reduce sums each "
-                         "projection in another order than one process does)")
+                         f"model_type={model.config.model_type!r}")
 
 
 def layer_groups_for(recipes: Sequence[Recipe]) -> tuple[LayerGroup, ...]:

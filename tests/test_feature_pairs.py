@@ -1,0 +1,278 @@
+"""Every pair of engine features, generated from :mod:`flexpage.features`' table.
+
+* Refused pairs (``INCOMPATIBLE``): ``EngineConfig`` with both raises ``UnsupportedCombination``
+  naming both settings (no engine is built); where one side is a request's ``kv_budget``,
+  ``check_request`` refuses it the same way.
+* Working pairs (every other pair of features of different options, fallbacks included): each
+  runs in a tiny engine (fp32, 2-layer Llama with 4 KV heads, or the tiny Q4_1 GGUF) on a
+  workload that preempts (10 usable blocks of 16 tokens for 6 prompts of 16 new tokens), chunks
+  prompts (16 tokens a step) and comes back to cached prefixes; greedy tokens must equal HF
+  transformers' (``generate``-equivalent argmax, fp32) on the same weights (int8: the
+  quantised weights). Each feature's own effect is asserted too (preemptions, spilled
+  blocks, evicted blocks, blocks computed from, the compiled step run ...), so a pair
+  cannot pass with one side silently off; a fallback pair asserts the fallback.
+* Under a KV budget that evicts (the 60-token prompt against 64 tokens), HF's full-context
+  tokens are not the answer: that request must equal the same model's budget-only engine,
+  which ``test_kv_budget.py`` checks against HF's forward over the kept tokens.
+
+Pairs are covered by few engines: a greedy cover puts as many mutually working features in one
+engine as fit (every pair it holds is covered; see ``cover``), so about a dozen engines
+check ~70 pairs. ``FLEXPAGE_FEATURE_PAIRS=each`` runs one engine per pair instead (to find
+which pair of a failing cover is at fault). Engines default to eager: ``compiled`` is a
+feature of its own, and compiled covers share the step programs Inductor compiled for the
+same shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import pathlib
+
+import pytest
+import torch
+
+from engine_models import hf_greedy, load_reference, random_prompts
+from flexpage import LLM, SamplingParams
+from flexpage.config import EngineConfig
+from flexpage.features import (FALLBACKS, FEATURES, INCOMPATIBLE, UnsupportedCombination, active_features,
+                               check_request, refusal)
+
+NAMES = [feature.name for feature in FEATURES]
+OPTION = {feature.name: feature.option for feature in FEATURES}
+SETTING = {feature.name: feature.setting for feature in FEATURES}
+BLOCK = 16
+BUDGET = 4 * BLOCK
+
+#: engine settings that turn each feature on (``None``: a fresh disk-tier directory; ``gguf``:
+#: the model is the tiny GGUF)
+SETTINGS: dict[str, dict] = {
+    "virtual": dict(kv_layout="virtual"),
+    "kv_budget": dict(kv_budget_tokens=BUDGET),
+    "host_tier": dict(host_kv_bytes="1MiB"),
+    "disk_tier": dict(host_kv_bytes=f"{2 * 16}KiB", disk_kv_dir=None, disk_kv_bytes="1MiB"),
+    "tensor_parallel": dict(tensor_parallel_size=2),
+    "deterministic": dict(deterministic=True),
+    "gguf": dict(),  # the model: the tiny Q4_1 GGUF
+    "int8": dict(quantization="int8"),
+    "compiled": dict(compile=True),
+    "eager": dict(compile=False),
+    "no_chunked_prefill": dict(enable_chunked_prefill=False),
+    "no_prefix_caching": dict(enable_prefix_caching=False),
+    "swap_preemption": dict(preemption_mode="swap", swap_space="1MiB"),
+    "transformers_impl": dict(model_impl="transformers"),
+}
+BASE = dict(dtype="float32", compile=False, num_blocks=11, block_size=BLOCK, max_num_batched_tokens=16,
+            max_model_len=128, max_num_seqs=8)
+
+ROUND_1 = random_prompts((5, 17, 33, 60, 9, 24), seed=7)
+ROUND_2 = [ROUND_1[2] + [11, 12, 13], ROUND_1[5][:16] + [5, 6, 7]]  # cached prefixes (or tiers')
+NEW_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+EVICTING = [3]  # ROUND_1 indices whose context outgrows BUDGET
+
+
+def test_the_table_names_only_features_and_pairs_of_different_options():
+    assert set(SETTINGS) == set(NAMES)
+    for pair in INCOMPATIBLE:
+        a, b = sorted(pair)
+        assert a in OPTION and b in OPTION and OPTION[a] != OPTION[b], pair
+    for a, b in FALLBACKS:
+        assert OPTION[a] != OPTION[b] and refusal(a, b) is None, (a, b)
+    with pytest.raises(KeyError, match="feature: got 'beams'"):
+        refusal("beams", "virtual")
+
+
+def _compatible(a: str, b: str) -> bool:
+    return OPTION[a] != OPTION[b] and refusal(a, b) is None
+
+
+def _config(names, model: str = "/unused", disk_dir: str = "/unused-disk", compile: bool = False) -> dict:
+    config = {**BASE, "model": model, "compile": compile}
+    for name in names:
+        config.update(SETTINGS[name])
+    if config.get("disk_kv_dir", 0) is None:
+        config["disk_kv_dir"] = disk_dir
+    if "gguf" in names and not str(model).endswith(".gguf"):
+        config["model"] = "/unused/tiny.gguf"  # never loaded: EngineConfig only reads the name
+    return config
+
+
+class _Unchecked:
+    """A config's settings as attributes, without ``EngineConfig``'s checks (which refuse)."""
+
+    def __init__(self, config: dict) -> None:
+        self.__dict__.update({f.name: f.default for f in dataclasses.fields(EngineConfig)}, **config)
+
+
+# ---- refused pairs ---------------------------------------------------------------------
+
+REFUSED = sorted(tuple(sorted(pair, key=NAMES.index)) for pair in INCOMPATIBLE)
+
+
+@pytest.mark.parametrize("pair", REFUSED, ids="+".join)
+def test_a_refused_pair_raises_one_error_naming_both(pair):
+    config = _config(pair, compile="eager" not in pair)  # not eager unless asked: deterministic refuses it
+    assert active_features(_Unchecked(config)) == set(pair) | (
+        set() if "eager" in pair else {"compiled"})
+    with pytest.raises(UnsupportedCombination) as raised:
+        EngineConfig(**config)
+    assert raised.value.features == pair
+    assert str(raised.value).startswith(f"{SETTING[pair[0]]} cannot be combined with {SETTING[pair[1]]}: ")
+    assert raised.value.reason == INCOMPATIBLE[frozenset(pair)]
+    if "kv_budget" in pair:  # a request's kv_budget on an engine with the other
+        other = pair[1 - pair.index("kv_budget")]
+        engine = EngineConfig(**_config([other], compile=other != "eager" or None))
+        with pytest.raises(UnsupportedCombination, match="cannot be combined") as raised:
+            check_request(engine, "kv_budget")
+        assert set(raised.value.features) == set(pair)
+
+
+def test_a_request_budget_on_a_plain_engine_passes():
+    check_request(EngineConfig(**_config([])), "kv_budget")
+
+
+# ---- working pairs ---------------------------------------------------------------------
+
+WORKING = [(a, b) for a, b in itertools.combinations(NAMES, 2) if _compatible(a, b)]
+
+
+def _fits(a: str, b: str) -> bool:
+    """``a`` and ``b`` may share a cover: they work together, and neither makes the other step
+    aside (a fallback pair runs alone: beside it, the fallen-back feature's pairs would pass
+    without it acting)."""
+    return _compatible(a, b) and (a, b) not in FALLBACKS and (b, a) not in FALLBACKS
+
+
+def cover(pairs: list[tuple[str, str]]) -> list[tuple[str, ...]]:
+    """Feature sets, each mutually working (one value per option), that hold every pair of
+    ``pairs``: greedily, from the first uncovered pair, add the feature fitting all chosen
+    (:func:`_fits`) that covers most uncovered pairs. Every set runs eager unless it holds
+    ``compiled`` (or needs it: deterministic)."""
+    uncovered = set(pairs)
+    sets = []
+    while uncovered:
+        chosen = list(min(uncovered, key=lambda p: (NAMES.index(p[0]), NAMES.index(p[1]))))
+        while True:
+            gains = {}
+            for name in NAMES:
+                if name not in chosen and all(_fits(name, c) for c in chosen):
+                    gains[name] = sum(tuple(sorted((name, c), key=NAMES.index)) in uncovered for c in chosen)
+            best = max(gains.items(), key=lambda item: item[1], default=(None, 0))
+            if best[1] == 0:
+                break
+            chosen.append(best[0])
+        if "compiled" not in chosen and "eager" not in chosen:
+            chosen.append("eager" if all(_compatible("eager", c) for c in chosen) else "compiled")
+        chosen.sort(key=NAMES.index)
+        uncovered -= {tuple(sorted(p, key=NAMES.index)) for p in itertools.combinations(chosen, 2)}
+        sets.append(tuple(chosen))
+    return sets
+
+
+COVERS = [pair for pair in WORKING] if os.environ.get("FLEXPAGE_FEATURE_PAIRS") == "each" else cover(WORKING)
+
+
+def test_the_covers_hold_every_working_pair():
+    held = {tuple(sorted(p, key=NAMES.index)) for names in COVERS for p in itertools.combinations(names, 2)}
+    assert set(WORKING) <= held
+    for names in COVERS:
+        assert all(_compatible(a, b) for a, b in itertools.combinations(names, 2)), names
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model, tmp_path_factory):
+    """``{"llama": folder, "gguf": file, "gguf_folder": its HF conversion}``."""
+    from gguf_models import write_tiny_gguf
+
+    from flexpage.model.loader import _default_gguf_path, resolve_model_path
+
+    gguf = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-q4_1.gguf", _default_gguf_path())
+    return {"llama": tiny_model("llama", num_key_value_heads=4), "gguf": gguf, "gguf_folder": resolve_model_path(gguf)}
+
+
+@pytest.fixture(scope="module")
+def expected(models):
+    """HF's greedy tokens for ROUND_1 + ROUND_2, by weights: ``"llama"``, ``"int8"``, ``"gguf"``."""
+    from flexpage.model.int8_weights import int8_blocks
+
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(weights: str) -> list[list[int]]:
+        if weights not in cache:
+            reference = load_reference(models["gguf_folder" if weights == "gguf" else "llama"])
+            if weights == "int8":
+                int8_blocks(reference)
+            cache[weights] = [hf_greedy(reference, p, NEW_TOKENS, stop_at_eos=False) for p in ROUND_1 + ROUND_2]
+        return cache[weights]
+
+    return get
+
+
+def _run(llm: LLM) -> tuple[list[list[int]], list]:
+    first = llm.generate([{"prompt_token_ids": p} for p in ROUND_1], GREEDY)
+    second = llm.generate([{"prompt_token_ids": p} for p in ROUND_2], GREEDY)
+    return [o.outputs[0].token_ids for o in first + second], first + second
+
+
+@pytest.fixture(scope="module")
+def budget_only(models):
+    """The tokens of a budget-only engine (per weights) for the requests the budget evicts from."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(weights: str) -> list[list[int]]:
+        if weights not in cache:
+            names = ["kv_budget"] + ([weights] if weights != "llama" else [])
+            config = _config(names, str(models["gguf" if weights == "gguf" else "llama"]))
+            cache[weights] = _run(LLM(**config))[0]
+        return cache[weights]
+
+    return get
+
+
+def _close(llm: LLM) -> None:
+    llm.engine.close()
+    if hasattr(llm.engine.runner, "group"):
+        assert [w.returncode for w in llm.engine.runner.group.workers] == [0] * len(llm.engine.runner.group.workers)
+
+
+@pytest.mark.usefixtures("single_torch_thread", "compile_budget")
+@pytest.mark.parametrize("names", COVERS, ids="+".join)
+def test_working_features_together_give_hf_greedy_tokens(names, models, expected, budget_only, tmp_path):
+    weights = "gguf" if "gguf" in names else "int8" if "int8" in names else "llama"
+    config = _config(names, str(models["gguf" if weights == "gguf" else "llama"]), str(tmp_path / "disk"))
+    assert active_features(EngineConfig(**config)) == set(names)
+    llm = LLM(**config)
+    try:
+        engine = llm.engine
+        tokens, outputs = _run(llm)
+        want = list(expected(weights))
+        if "kv_budget" in names:
+            for i in EVICTING:
+                assert outputs[i].metrics.evicted_blocks > 0
+                want[i] = budget_only(weights)[i]
+        assert tokens == want
+        stats, runner = engine.stats(), engine.runner
+        assert engine.block_manager.stats().used == 0 and not engine.requests
+        print(names, {k: stats[k] for k in ("preemptions", "prefix_cache_hits", "kv_spilled_tokens")})
+        assert stats["preemptions"] > 0  # 10 usable blocks for 6 prompts: swap or recompute acted
+        if "virtual" not in names and "no_prefix_caching" not in names:
+            assert stats["prefix_cache_hits"] > 0  # ROUND_2 comes back to ROUND_1's prefixes
+        if "virtual" in names:
+            assert runner.pool.layout == "virtual" and stats["prefix_cache_hits"] == 0
+        if "host_tier" in names or "disk_tier" in names:
+            assert stats["kv_spilled_tokens"] > 0
+        if "tensor_parallel" in names:
+            assert len(runner.group.workers) == 1
+        else:
+            compact = runner.compact
+            from_blocks = compact is not None and compact.lm_head.blocks is not None
+            fallback = any((weights, other) in FALLBACKS for other in names)
+            assert from_blocks == (weights != "llama" and not fallback)
+            if "compiled" in names and compact is not None:
+                assert runner.compiled_step is not None and runner.compiled_step.steps_run > 0
+        if "deterministic" in names:
+            assert runner.deterministic
+    finally:
+        _close(llm)
