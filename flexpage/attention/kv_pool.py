@@ -24,6 +24,7 @@ arrives page by page as tokens are written and :meth:`KVPool.release` gives it b
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import mmap
 import threading
@@ -91,7 +92,8 @@ class KVPool:
             # a helper thread (flexpage.background: LLM() waits for it, exit stops it), which
             # stops between chunks once this pool is dropped, handing the memory back
             stop = threading.Event()
-            self._populating = background.start(fault_in, self.storage, name="flexpage-kv-populate", stop=stop)
+            self._populating = background.start(functools.partial(fault_in, self.storage, stop=stop),
+                                                name="flexpage-kv-populate", stop=stop)
             weakref.finalize(self, stop.set)
         self._layers = [(_separate_tensor(self.storage[i, 0]), _separate_tensor(self.storage[i, 1]))
                         for i in range(num_layers)]
