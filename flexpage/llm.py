@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence as Seq
 
+from flexpage import background
 from flexpage.config import EngineConfig
 from flexpage.engine import LLMEngine, PromptInput
 from flexpage.outputs import RequestOutput
@@ -17,6 +18,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        background.wait()  # ready when it returns: the KV pool resident, no helper thread still running
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

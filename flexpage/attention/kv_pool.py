@@ -10,9 +10,11 @@ On the CPU the pool is anonymous memory advised onto 2 MB pages and claimed in f
 is made (:func:`allocate_pool`), as a serving engine reserves its KV cache up front:
 attention's reads of a large pool take far fewer TLB misses than on 4 KB pages, and no
 step pays for first-touch page faults (they made a 4 x 256-token prefill step ~13% slower).
-:class:`KVPool` faults the pages in on a thread of its own while the model loads and
-compiles, on 4 KB pages from where 2 MB pages turn out slow to populate (:func:`fault_in`);
-:meth:`KVPool.wait_until_resident` waits for it.
+:class:`KVPool` faults the pages in on a helper thread (:mod:`flexpage.background`) while the
+model loads and compiles, on 4 KB pages from where 2 MB pages turn out slow to populate
+(:func:`fault_in`); :meth:`KVPool.wait_until_resident` waits for it (``LLM()`` and the engine's
+warm-up do). A pool dropped while it populates stops its thread at the next 32 MB chunk, and
+so does the process as it exits.
 
 The *virtual* layout (``layout="virtual"``) keeps this shape and these block ids over a
 reservation of address space instead (:mod:`flexpage.attention.virtual_arena`): memory
@@ -22,14 +24,17 @@ arrives page by page as tokens are written and :meth:`KVPool.release` gives it b
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import mmap
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 import torch
 
+from flexpage import background
 from flexpage.attention.errors import check_arg
 from flexpage.attention.virtual_arena import VirtualArena
 
@@ -84,9 +89,12 @@ class KVPool:
             shape, dtype, self.device, populate=False)
         self._populating: threading.Thread | None = None
         if self.arena is None and _is_mapping(self.storage.device, self.storage.nbytes):
-            self._populating = threading.Thread(target=fault_in, args=(self.storage,), name="flexpage-kv-populate",
-                                                daemon=True)
-            self._populating.start()
+            # a helper thread (flexpage.background: LLM() waits for it, exit stops it), which
+            # stops between chunks once this pool is dropped, handing the memory back
+            stop = threading.Event()
+            self._populating = background.start(functools.partial(fault_in, self.storage, stop=stop),
+                                                name="flexpage-kv-populate", stop=stop)
+            weakref.finalize(self, stop.set)
         self._layers = [(_separate_tensor(self.storage[i, 0]), _separate_tensor(self.storage[i, 1]))
                         for i in range(num_layers)]
 
@@ -230,9 +238,10 @@ _POPULATE_CHUNK = 32 << 20
 SLOW_POPULATE_RATE = 2e9
 
 
-def fault_in(pool: torch.Tensor, slow_rate: float = SLOW_POPULATE_RATE) -> None:
-    """Fault every page of an :func:`allocate_pool` mapping in, writable. The system calls run
-    without the GIL (ctypes), so a thread can do it while Python goes on.
+def fault_in(pool: torch.Tensor, slow_rate: float = SLOW_POPULATE_RATE, stop: threading.Event | None = None) -> bool:
+    """Fault every page of an :func:`allocate_pool` mapping in, writable; returns False where
+    ``stop`` was set first (checked between chunks). The system calls run without the GIL
+    (ctypes), so a thread can do it while Python goes on.
 
     In chunks of 32 MB: populating holds the process's memory-map lock, which every ``mmap``
     of the other threads waits for. In one 1 GiB call on the Zen 3 VM, the imports and the
@@ -250,16 +259,20 @@ def fault_in(pool: torch.Tensor, slow_rate: float = SLOW_POPULATE_RATE) -> None:
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     start, nbytes = pool.data_ptr(), pool.nbytes
     may_be_huge = _MADV_NOHUGEPAGE is not None
+    can_advise = True
     for offset in range(0, nbytes, _POPULATE_CHUNK):
+        if stop is not None and stop.is_set():
+            return False
         length = min(_POPULATE_CHUNK, nbytes - offset)
         began = time.perf_counter()
-        if libc.madvise(start + offset, length, _MADV_POPULATE_WRITE) != 0:
-            pool.view(-1).view(torch.uint8)[:: mmap.PAGESIZE].zero_()  # an older kernel: touch every page instead
-            return
+        can_advise = can_advise and libc.madvise(start + offset, length, _MADV_POPULATE_WRITE) == 0
+        if not can_advise:  # an older kernel (before 5.14): touch every page of the chunk instead
+            pool.view(-1).view(torch.uint8)[offset:offset + length:mmap.PAGESIZE].zero_()
         end = offset + length
         if may_be_huge and end < nbytes and length < slow_rate * (time.perf_counter() - began):
             libc.madvise(start + end, nbytes - end, _MADV_NOHUGEPAGE)
             may_be_huge = False
+    return True
 
 
 def write_kv(

@@ -18,8 +18,12 @@ What keeps the fork safe in a process that has threads and thread pools:
 * It compiles its C++ kernels itself, one at a time: Inductor's worker pool is the parent's.
 * The vector-ISA probe (whose thread holds a lock while it runs) has answered before the fork.
 * It leaves with ``os._exit``: no exit handlers, no flushing of buffers it shares with the
-  parent, and it dies with the parent. A child that fails or hangs costs the parent only the
+  parent, and it dies with the parent (``PR_SET_PDEATHSIG``, and it checks that the parent
+  is still there once that is set). A child that fails or hangs costs the parent only the
   compile it would have done itself.
+* The parent never leaves one behind: a :class:`ForkedCompile` dropped before it was joined,
+  and any still running as the parent exits, is killed and reaped (no zombie, no orphan
+  writing to the compile cache).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import signal
 import sys
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 
 from flexpage.backends.cpu.vec_isa_cache import cpu_vec_isa
@@ -49,6 +54,8 @@ class ForkedCompile:
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.succeeded: bool | None = None  # None until joined
+        # dropped unjoined, or still running at exit (weakref.finalize runs then too): kill and reap it
+        self._end = weakref.finalize(self, _kill_and_reap, pid, os.getpid())
 
     def join(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the child (then kill it); True if it compiled."""
@@ -58,12 +65,12 @@ class ForkedCompile:
         while True:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
             if pid:
+                self._end.detach()
                 self.succeeded = os.waitstatus_to_exitcode(status) == 0
                 return self.succeeded
             if time.monotonic() > deadline:
                 log.warning("the compile child %d took over %.0f s; compiling here instead", self.pid, timeout)
-                os.kill(self.pid, signal.SIGKILL)
-                os.waitpid(self.pid, 0)
+                self._end()
                 self.succeeded = False
                 return False
             time.sleep(0.02)
@@ -74,6 +81,7 @@ def compile_in_child(compile: Callable[[], None]) -> ForkedCompile | None:
     where this platform cannot fork."""
     if not hasattr(os, "fork"):
         return None
+    parent = os.getpid()
     cpu_vec_isa()  # waits for the probe thread, if one is running (its lock would stay held in the child)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -84,7 +92,7 @@ def compile_in_child(compile: Callable[[], None]) -> ForkedCompile | None:
         return ForkedCompile(pid)
     status = 1
     try:
-        _die_with_parent()
+        _die_with_parent(parent)
         from torch._inductor import config
 
         config.compile_threads = 1  # synchronous C++ builds in this process, not through the parent's pool
@@ -97,7 +105,21 @@ def compile_in_child(compile: Callable[[], None]) -> ForkedCompile | None:
         os._exit(status)
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this process when its parent exits (elsewhere, a no-op)."""
+def _die_with_parent(parent: int) -> None:
+    """Ask Linux to kill this process when its parent exits (elsewhere, a no-op); leave at once
+    where the parent (pid ``parent``) has exited already, before the request was made."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _kill_and_reap(pid: int, parent: int) -> None:
+    """End a compile child that is still running, and collect its exit status (only in its
+    parent ``parent``: not in a process forked from it since)."""
+    if os.getpid() != parent:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)

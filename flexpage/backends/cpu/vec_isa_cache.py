@@ -46,7 +46,9 @@ def probe_in_background() -> None:
     """Start answering :func:`cpu_vec_isa` on a thread, so that a first start's probe (test
     programs built by g++, ~2 s) overlaps loading the model instead of following it."""
     apply()  # here: Inductor's function is replaced once, by this thread
-    threading.Thread(target=cpu_vec_isa, name="flexpage-vec-isa-probe", daemon=True).start()
+    from flexpage import background  # LLM() waits for it, exit joins it
+
+    background.start(cpu_vec_isa, name="flexpage-vec-isa-probe")
 
 
 @functools.cache  # once per process
