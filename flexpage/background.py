@@ -2,7 +2,7 @@
 
 flexpage starts a few threads so that slow chores overlap loading the model: the KV pool's
 population (:class:`flexpage.attention.kv_pool.KVPool`) and Inductor's vector-ISA probe
-(:func:`flexpage.attention._vec_isa_cache.probe_in_background`). Two rules keep them from
+(:func:`flexpage.backends.cpu.vec_isa_cache.probe_in_background`). Two rules keep them from
 running behind a user's back:
 
 * :func:`wait` joins every running helper: ``LLM()`` calls it, so an engine that says it is
