@@ -233,8 +233,9 @@ def budget_only(models):
 
 def _close(llm: LLM) -> None:
     llm.engine.close()
-    if hasattr(llm.engine.runner, "group"):
-        assert [w.returncode for w in llm.engine.runner.group.workers] == [0] * len(llm.engine.runner.group.workers)
+    group = getattr(llm.engine.executor, "group", None)  # tensor parallel
+    if group is not None:
+        assert [w.returncode for w in group.workers] == [0] * len(group.workers)
 
 
 @pytest.mark.usefixtures("single_torch_thread", "compile_budget")
@@ -264,7 +265,7 @@ def test_working_features_together_give_hf_greedy_tokens(names, models, expected
         if "host_tier" in names or "disk_tier" in names:
             assert stats["kv_spilled_tokens"] > 0
         if "tensor_parallel" in names:
-            assert len(runner.group.workers) == 1
+            assert len(engine.executor.group.workers) == 1
         else:
             compact = runner.compact
             from_blocks = compact is not None and compact.lm_head.blocks is not None
