@@ -64,7 +64,7 @@ def test_the_kv_pool_is_not_mapped_in_a_child():
 
 def test_a_first_warm_up_loads_the_decode_program_a_child_compiled(tiny_model, monkeypatch, tmp_path):
     from flexpage import LLM
-    from flexpage import engine as engine_module
+    from flexpage import warmup
     from flexpage.backends.cpu import saved_programs
     from flexpage.model import compiled_step
 
@@ -74,7 +74,7 @@ def test_a_first_warm_up_loads_the_decode_program_a_child_compiled(tiny_model, m
     monkeypatch.setattr(compiled_step, "_program", lambda shape, groups, layout: programs.setdefault(
         tuple(kind for kind, _, _ in groups), program(shape, groups, layout)))
     children = []
-    monkeypatch.setattr(engine_module, "compile_in_child", lambda compile: children.append(compile_in_child(compile))
+    monkeypatch.setattr(warmup, "compile_in_child", lambda compile: children.append(compile_in_child(compile))
                         or children[-1])
     monkeypatch.setattr(saved_programs, "program_dir", lambda: tmp_path)
     try:
