@@ -28,11 +28,10 @@ The shape is vLLM v1's KV cache coordinator. :class:`BlockManager` composes:
   (:mod:`flexpage.core.tier_policy`), host swap space (:mod:`flexpage.core.swap_space`) and
   the virtual layout's rows reserved for forks (:mod:`flexpage.core.fork_rows`).
 
-Virtual layout (``virtual_rows``; :mod:`flexpage.core.row_pool`): each sequence's table is
-one row of consecutive blocks per layer group, ``num_blocks`` caps the blocks in use, and
-nothing is shared: no prefix caching, sliding groups keep their blocks (their row stays
-contiguous), and :meth:`BlockManager.fork` copies the parent's blocks into rows the parent
-reserved at admission for its ``n - 1`` siblings (``COPY`` ops).
+Virtual layout (``virtual_rows``; :mod:`flexpage.core.row_pool`): one row of consecutive
+blocks per group and sequence, ``num_blocks`` caps the blocks in use, nothing is shared (no
+prefix caching; sliding groups keep their blocks, so every group gets full attention's
+manager) and forks copy into rows reserved at admission (:mod:`flexpage.core.fork_rows`).
 """
 
 from __future__ import annotations
@@ -81,15 +80,11 @@ class BlockManager:
         virtual_rows: int = 0,
     ) -> None:
         """``run_length``: blocks per aligned run, the attention kernel's key block (see BlockPool).
-
         ``group_windows``: one entry per layer group (see :mod:`flexpage.core.layer_groups`),
-        None for full attention or the sliding window ``W`` of the group's layers.
-
-        ``tiers``: where evicted prefix-cache blocks go (see :mod:`flexpage.core.kv_tiers`);
-        needs prefix caching.
-
-        ``virtual_rows``: the virtual layout's rows (0: paged); each is ``run_length`` blocks
-        and ``num_blocks - 1`` blocks may be in use at once (see the module docstring).
+        None for full attention or the sliding window ``W`` of the group's layers. ``tiers``:
+        where evicted prefix-cache blocks go (:mod:`flexpage.core.kv_tiers`; needs prefix
+        caching). ``virtual_rows``: the virtual layout's rows (0: paged); each is ``run_length``
+        blocks and ``num_blocks - 1`` blocks may be in use at once (see the module docstring).
         """
         group_windows = tuple(group_windows)
         if not group_windows or len(group_windows) > 0xFFFF:
@@ -136,18 +131,15 @@ class BlockManager:
         return self.swap_space.num_host_blocks
 
     @property
-    def num_released_blocks(self) -> int:
-        """Blocks sliding groups gave back early (out of every query's window)."""
+    def num_released_blocks(self) -> int:  # given back early by sliding groups
         return sum(m.num_released_blocks for m in self.managers)
 
     @property
-    def num_evicted_blocks(self) -> int:
-        """Table entries given up for KV budgets."""
+    def num_evicted_blocks(self) -> int:  # table entries given up for KV budgets
         return self.budget.num_evicted_blocks
 
     @property
-    def num_hole_tokens(self) -> int:
-        """Tokens recomputed in front of blocks restored behind a hole."""
+    def num_hole_tokens(self) -> int:  # recomputed in front of blocks restored behind a hole
         return self.holes.num_hole_tokens
 
     def _empty(self) -> list[list[int]]:
@@ -179,20 +171,12 @@ class BlockManager:
         return self.pool.num_free_or_cached
 
     def stats(self) -> BlockStats:
-        return BlockStats(
-            total=self.num_blocks,
-            free=self.pool.num_free,
-            cached=self.pool.num_cached,
-            used=self.pool.num_used,
-            host_total=self.num_host_blocks,
-            host_used=self.swap_space.num_used,
-            host_free=self.swap_space.num_free,
-            prefix_cache_queries=self._prefix_queries,
-            prefix_cache_hits=self._prefix_hits,
-            evictions=self.pool.num_evictions,
-            released_window_blocks=self.num_released_blocks,
-            evicted_budget_blocks=self.num_evicted_blocks,
-        )
+        pool, host = self.pool, self.swap_space
+        return BlockStats(total=self.num_blocks, free=pool.num_free, cached=pool.num_cached, used=pool.num_used,
+                          host_total=host.num_host_blocks, host_used=host.num_used, host_free=host.num_free,
+                          prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits,
+                          evictions=pool.num_evictions, released_window_blocks=self.num_released_blocks,
+                          evicted_budget_blocks=self.num_evicted_blocks)
 
     def reset_prefix_cache(self) -> int:
         """Drop all cached (unreferenced) blocks and every tier's entries; returns how many
@@ -464,8 +448,7 @@ class BlockManager:
         self.budget.drop(seq.seq_id)
         self.holes.drop(seq.seq_id)
 
-    def _known(self, seq: Sequence) -> bool:
-        """Whether any part of the manager keeps state for ``seq``."""
+    def _known(self, seq: Sequence) -> bool:  # whether any part keeps state for seq
         return self.holds_blocks(seq) or self.budget.has_state(seq.seq_id) or self.holes.has_state(seq.seq_id)
 
     # -- host swap tier ------------------------------------------------------------------
