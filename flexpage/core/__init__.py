@@ -15,7 +15,11 @@ Layers, bottom up:
   hash index and LRU eviction.
 * :mod:`flexpage.core.block_stats`: a snapshot of pool occupancy for metrics.
 * :mod:`flexpage.core.block_manager`: per-sequence block tables on top of the
-  pool (allocate, append, fork/copy-on-write, swap to host, free).
+  pool (allocate, append, fork/copy-on-write, swap to host, free): a coordinator over
+  one manager per layer group (:mod:`flexpage.core.group_managers`: full attention,
+  sliding window) and policies it composes (:mod:`flexpage.core.prefix_plan`,
+  :mod:`flexpage.core.budget_policy`, :mod:`flexpage.core.tier_policy`,
+  :mod:`flexpage.core.swap_space`, :mod:`flexpage.core.fork_rows`).
 * :mod:`flexpage.core.scheduler`: iteration-level continuous batching.
 * :mod:`flexpage.core.scheduler_output`: the per-step plan handed to the runner.
 """
