@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from bench.anchors import METRICS
+from flexpage.backends.cpu.description import describe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,8 +63,7 @@ def main() -> None:
             subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=ROOT, capture_output=True)
     median = {name: {m: statistics.median(x[m] for x in runs) for m in METRICS} for name, runs in rounds.items()}
     result = {
-        "base": base, "head": head, "machine": platform.processor() or platform.machine(),
-        "cpu": _cpu_model(), "rounds": args.rounds, "median": median,
+        "base": base, "head": head, "cpu": describe().summary(), "rounds": args.rounds, "median": median,
         "head_over_base": {m: median["head"][m] / median["base"][m] for m in METRICS},
         "per_round": {name: {m: [round(x[m], 2) for x in runs] for m in METRICS} for name, runs in rounds.items()},
     }
@@ -73,16 +72,6 @@ def main() -> None:
         print(f"{m:<15}{median['head'][m]:>10.2f}{median['base'][m]:>10.2f}{result['head_over_base'][m]:>11.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flexpage.attention.eviction import EvictionPolicy
 from flexpage.attention.recipe import Recipe
@@ -35,12 +35,14 @@ from flexpage.executor.factory import build_executor
 from flexpage.features import check_request
 from flexpage.input_processor import InputProcessor, PromptInput, check_optional_name
 from flexpage.kv_view import kv_view
-from flexpage.model.kv_tier_storage import TierStorage
-from flexpage.model.runner import ModelRunner
 from flexpage.model.sampler import TokenHistory, make_generator
 from flexpage.output_processor import OutputProcessor, Request
 from flexpage.outputs import RequestOutput
 from flexpage.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from flexpage.model.kv_tier_storage import TierStorage
+    from flexpage.model.runner import ModelRunner
 
 __all__ = ["LLMEngine", "PromptInput", "Request"]
 
