@@ -550,7 +550,7 @@ def test_eager_multi_head_attention_without_gqa():
 def test_block_table_wider_than_the_pool_is_planned():
     """Block tables padded with the null page beyond the pool's page count still plan and run.
 
-    BUG (flexpage/attention/paging.py, ``_compact``): ``out[..., : ids.shape[-1]] = ids`` with
+    BUG (flexpage/attention/kernel_blocks.py, ``compact_block_lists``): ``out[..., : ids.shape[-1]] = ids`` with
     ``out`` only ``num_pages`` wide fails with a shape RuntimeError when the table row is wider
     than the pool (here 6 entries, 4 pages); the selected pages (always <= num_pages, they are
     distinct) come first, so copying the first ``min(width, num_pages)`` columns is enough.
