@@ -10,7 +10,7 @@ import torch
 
 from flexpage.attention.kv_pool import KV_LAYOUTS
 from flexpage.core.kv_tiers import TIER_POLICIES
-from flexpage.features import check_combination, check_features
+from flexpage.features import check_combination
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
 # Pages of 8 tokens: the last, partly filled page of a sequence wastes half as much as with
@@ -46,12 +46,10 @@ def parse_size(text: str | int, name: str = "kv_cache_memory") -> int:
     return int(float(number) * scale)
 
 
-def check_kv_budget(name: str, budget: object, block_size: int, deterministic: bool = False) -> int:
+def check_kv_budget(name: str, budget: object, block_size: int) -> int:
     """A KV budget in tokens: an int, a multiple of ``block_size`` and at least 3 blocks (the
-    first block, the newest and one more are kept whatever the policy), on an engine that is
-    not deterministic (:data:`flexpage.features.INCOMPATIBLE`)."""
-    if deterministic:
-        check_features(("kv_budget", "deterministic"))
+    first block, the newest and one more are kept whatever the policy). Which engines take one
+    is :mod:`flexpage.features`' business."""
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 3 * block_size or budget % block_size:
         raise ValueError(f"{name}: got {budget!r}, expected a multiple of the block size ({block_size}) "
                          f"of at least 3 blocks ({3 * block_size} tokens)")

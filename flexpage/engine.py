@@ -24,6 +24,7 @@ from flexpage.attention.recipe import Recipe
 from flexpage.config import EngineConfig, check_kv_budget
 from flexpage.conversations import ConversationRegistry
 from flexpage.core.block_manager import BlockManager
+from flexpage.core.kv_ops import KVOp
 from flexpage.core.kv_tiers import KVTiers
 from flexpage.core.layer_groups import LayerGroup
 from flexpage.core.scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput
@@ -192,7 +193,7 @@ class LLMEngine:
         for seq in sched.finished:  # the scheduler gave up on a sequence that outgrew the pool
             self._finish(seq, SequenceStatus.FINISHED_LENGTH, touched, already_retired=True)
         if not sched.scheduled:
-            self._run_kv_ops(sched)
+            self._run_kv_ops(sched.kv_ops)
         else:
             try:
                 self._run(sched, touched)
@@ -203,12 +204,13 @@ class LLMEngine:
                     for item in sched.scheduled:
                         self._run_alone(item, touched)
         if not self.requests:  # idle: what the last steps freed goes back now, not at the next request
-            self._run_kv_ops(SchedulerOutput(kv_ops=self.block_manager.drain_ops()))
+            self._run_kv_ops(self.block_manager.drain_ops())
         return [r.to_output() for r in touched.values()]
 
-    def _run_kv_ops(self, sched: SchedulerOutput) -> None:
-        if sched.kv_ops:
-            self.executor.execute(StepPlan(kv_ops=sched.kv_ops))
+    def _run_kv_ops(self, ops: list[KVOp]) -> None:
+        """A plan of KV operations alone (no rows to run)."""
+        if ops:
+            self.executor.execute(StepPlan(kv_ops=ops))
 
     def _run(self, sched: SchedulerOutput, touched: dict[str, Request]) -> None:
         """Plan, execute and apply one step (or one retried row of a failed one)."""
@@ -231,7 +233,7 @@ class LLMEngine:
         for row, seq in enumerate(sampled):
             request: Request = seq.request
             first = request.seqs.index(seq)
-            forks = seq.samples_to_fork if seq.num_output_tokens == 0 else 0
+            forks = self.scheduler.forks_due(seq)
             history = TokenHistory(seq.prompt_token_ids, seq.output_token_ids)
             for sample in [first, *range(len(request.seqs), len(request.seqs) + forks)]:
                 rows.append(SampleRow(row, request.params, history, request.generators[sample]))
@@ -296,7 +298,7 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Forget every cached block, in the pool and in the tiers; returns the pool blocks dropped."""
         dropped = self.block_manager.reset_prefix_cache()
-        self._run_kv_ops(SchedulerOutput(kv_ops=self.block_manager.drain_ops()))
+        self._run_kv_ops(self.block_manager.drain_ops())
         return dropped
 
     def close(self) -> None:

@@ -189,10 +189,17 @@ class Scheduler:
         rows: list[tuple[int, Sequence]] = []
         for row, seq in enumerate(sampled):
             rows.append((row, seq))
-            if seq.samples_to_fork and seq.num_output_tokens == 0:
-                rows += [(row, self.fork(seq, new_seq_id())) for _ in range(seq.samples_to_fork)]
+            forks = self.forks_due(seq)
+            if forks:
+                rows += [(row, self.fork(seq, new_seq_id())) for _ in range(forks)]
                 seq.samples_to_fork = 0
         return rows
+
+    @staticmethod
+    def forks_due(seq: Sequence) -> int:
+        """How many siblings :meth:`fork_parallel_samples` forks from ``seq`` after its next
+        sample: its request's ``n - 1`` at the first output token, else none."""
+        return seq.samples_to_fork if seq.num_output_tokens == 0 else 0
 
     def mark_computed(self, output: SchedulerOutput) -> None:
         """After the forward pass: advance every scheduled, still-live sequence."""
