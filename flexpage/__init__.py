@@ -23,5 +23,6 @@ __version__ = "0.1.0"
 from flexpage.llm import LLM  # noqa: E402
 from flexpage.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from flexpage.sampling_params import SamplingParams  # noqa: E402
+from flexpage.structured import StructuredOutputsParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]

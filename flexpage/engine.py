@@ -40,6 +40,9 @@ from flexpage.model.sampler import TokenHistory, make_generator
 from flexpage.output_processor import OutputProcessor, Request
 from flexpage.outputs import RequestOutput
 from flexpage.sampling_params import SamplingParams
+from flexpage.structured.backend import GrammarMatcher
+from flexpage.structured.compiler import GrammarCompiler
+from flexpage.structured.llguidance_backend import LLGuidanceBackend
 
 if TYPE_CHECKING:
     from flexpage.model.kv_tier_storage import TierStorage
@@ -87,6 +90,8 @@ class LLMEngine:
         )
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        #: compiled grammars of structured outputs, by constraint (thread-safe: a server compiles in its threads)
+        self.grammars = GrammarCompiler(lambda: LLGuidanceBackend(self.tokenizer, self.vocab_size, self.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -130,8 +135,13 @@ class LLMEngine:
             raise InvalidParameter("request_id", f"request_id: {request_id!r} is already in flight")
         kv_budget = self._kv_budget(params)
         generators = [make_generator(params.seed + i) if params.seed is not None else None for i in range(params.n)]
+        grammars = []
+        if params.structured_outputs is not None:
+            grammar = self.grammars.compile(params.structured_outputs)
+            grammars = [grammar.matcher() for _ in range(params.n)]
         request = Request(request_id, text, token_ids, params, time.monotonic(), generators=generators,
-                          kv_budget=kv_budget, block_size=self.config.block_size, conversation=conversation_id)
+                          grammars=grammars, kv_budget=kv_budget, block_size=self.config.block_size,
+                          conversation=conversation_id)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
         seq = Sequence(next(self._seq_ids), token_ids, max_tokens=max_tokens, request=request, num_samples=params.n,
                        kv_budget=kv_budget, cache_salt=cache_salt, conversation=conversation_id)
@@ -215,8 +225,12 @@ class LLMEngine:
     def _run(self, sched: SchedulerOutput, touched: dict[str, Request]) -> None:
         """Plan, execute and apply one step (or one retried row of a failed one)."""
         sampled = [item.seq for item in sched.scheduled if item.sample]
+        rows, grammars = self._sample_rows(sampled)
         plan = StepPlan(kv_ops=sched.kv_ops, inputs=step_inputs(sched.scheduled, self.block_manager.block_tables),
-                        samples=self._sample_rows(sampled), scores=sched.scores)
+                        samples=rows, scores=sched.scores)
+        if any(grammars):
+            plan.constrained = [i for i, grammar in enumerate(grammars) if grammar is not None]
+            plan.token_bitmask = self.grammars.bitmask([grammars[i] for i in plan.constrained])
         result = self.executor.execute(plan)
         for request, scores in zip(sched.scores, result.block_scores):
             seq = self.scheduler.get(request.seq_id)
@@ -226,10 +240,11 @@ class LLMEngine:
         if sampled:
             self._apply_samples(sampled, result, touched)
 
-    def _sample_rows(self, sampled: list[Sequence]) -> list[SampleRow]:
-        """One row per sample to draw: a sequence whose prompt was just computed draws for all
-        ``n`` samples of its request from its logits row (the siblings fork after the step)."""
-        rows = []
+    def _sample_rows(self, sampled: list[Sequence]) -> tuple[list[SampleRow], list[GrammarMatcher | None]]:
+        """One row per sample to draw, and its grammar matcher (None: free text): a sequence
+        whose prompt was just computed draws for all ``n`` samples of its request from its
+        logits row (the siblings fork after the step)."""
+        rows, grammars = [], []
         for row, seq in enumerate(sampled):
             request: Request = seq.request
             first = request.seqs.index(seq)
@@ -237,7 +252,8 @@ class LLMEngine:
             history = TokenHistory(seq.prompt_token_ids, seq.output_token_ids)
             for sample in [first, *range(len(request.seqs), len(request.seqs) + forks)]:
                 rows.append(SampleRow(row, request.params, history, request.generators[sample]))
-        return rows
+                grammars.append(request.grammars[sample] if request.grammars else None)
+        return rows, grammars
 
     def _apply_samples(self, sampled: list[Sequence], result: StepResult, touched: dict[str, Request]) -> None:
         forked = self.scheduler.fork_parallel_samples(sampled, lambda: next(self._seq_ids))

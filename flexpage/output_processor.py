@@ -18,6 +18,7 @@ from flexpage.model.detokenizer import IncrementalDetokenizer
 from flexpage.model.sampler import TokenLogprobs
 from flexpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from flexpage.sampling_params import SamplingParams
+from flexpage.structured.backend import GrammarMatcher
 
 __all__ = ["OutputProcessor", "Request"]
 
@@ -36,6 +37,8 @@ class Request:
     detokenizers: list[IncrementalDetokenizer] = field(default_factory=list)
     #: one per sample, made at arrival (a seeded request's sample ``i`` draws from ``seed + i``)
     generators: list[torch.Generator | None] = field(default_factory=list)
+    #: one grammar matcher per sample under structured outputs (empty: free text)
+    grammars: list[GrammarMatcher] = field(default_factory=list)
     num_cached_tokens: int = 0
     first_token_time: float | None = None
     kv_budget: int | None = None
@@ -75,9 +78,13 @@ class OutputProcessor:
     def append(self, request: Request, seq: Sequence, token: int,
                logprobs: TokenLogprobs | None) -> SequenceStatus | None:
         """Add one sampled token to ``seq`` and its output; returns the status it finished
-        with (the caller retires it), or None while it goes on."""
+        with (the caller retires it), or None while it goes on. Under a grammar the token
+        advances the sample's matcher, and the output stops where the grammar is complete."""
         index = request.seqs.index(seq)
         out = request.outputs[index]
+        grammar = request.grammars[index] if request.grammars else None
+        if grammar is not None and not grammar.accept(token):
+            raise ValueError(f"structured output: the grammar refused token {token}: {grammar.error}")
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
             request.num_cached_tokens = max(request.num_cached_tokens, seq.num_cached_tokens)
@@ -98,6 +105,8 @@ class OutputProcessor:
         if stop_string is not None:
             out.text = out.text[: out.text.index(stop_string)]
             out.stop_reason = stop_string
+            return SequenceStatus.FINISHED_STOPPED
+        if grammar is not None and grammar.is_finished:
             return SequenceStatus.FINISHED_STOPPED
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH

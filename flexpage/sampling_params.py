@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flexpage.errors import InvalidParameter
+from flexpage.structured.params import StructuredOutputsParams
 
 __all__ = ["SamplingParams", "MAX_LOGPROBS"]
 
@@ -88,6 +89,8 @@ class SamplingParams:
         kv_budget: KV tokens this request keeps per layer (the engine's eviction policy drops
             whole blocks past it); ``None`` takes the engine's ``kv_budget_tokens``. The engine
             checks it against its block size (a multiple, at least 3 blocks).
+        structured_outputs: the output must match this JSON schema, regex, choice or grammar
+            (:class:`~flexpage.structured.StructuredOutputsParams`); ``None``: free text.
     """
 
     n: int = 1
@@ -107,6 +110,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     kv_budget: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _require_int("n", self.n)
@@ -166,6 +170,10 @@ class SamplingParams:
             self.kv_budget = _require_int("kv_budget", self.kv_budget)
             if self.kv_budget < 1:
                 raise InvalidParameter("kv_budget", f"kv_budget must be >= 1 or None, got {self.kv_budget!r}")
+
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidParameter("structured_outputs", "structured_outputs must be a StructuredOutputsParams or "
+                                   f"None, got {type(self.structured_outputs).__name__}")
 
         if self.logprobs is not None:
             self.logprobs = _require_int("logprobs", self.logprobs)

@@ -24,6 +24,7 @@ from flexpage.model.kv_tier_storage import TierStorage
 from flexpage.model.runner import ModelRunner
 from flexpage.model.sampler import sample
 from flexpage.model.tensor_parallel import RankFailure
+from flexpage.structured.bitmask import apply_bitmask
 
 __all__ = ["LocalExecutor"]
 
@@ -58,7 +59,7 @@ class LocalExecutor:
         except Exception as error:
             raise ForwardFailed from error
         if plan.samples:
-            self._sample(logits, plan.samples, result)
+            self._sample(logits, plan, result)
         return result
 
     def _run_kv_ops(self, ops: list[KVOp]) -> None:
@@ -82,11 +83,15 @@ class LocalExecutor:
     def _score(self, requests: list[ScoreRequest]) -> list[list[float]]:
         return [block_scores(self.runner.pool, self.eviction_policy, r.pages, r.first_positions) for r in requests]
 
-    def _sample(self, logits: Tensor, rows: list[SampleRow], result: StepResult) -> None:
+    def _sample(self, logits: Tensor, plan: StepPlan, result: StepResult) -> None:
         """Sample every row at once; if that raises, row by row, so that only the rows whose
-        own parameters break sampling fail."""
+        own parameters break sampling fail. Rows under a grammar sample only the tokens their
+        bitmask allows."""
+        rows = plan.samples
         if [row.logits_row for row in rows] != list(range(logits.shape[0])):
             logits = logits[[row.logits_row for row in rows]]  # n > 1 samples share their prompt's row
+        if plan.token_bitmask is not None:
+            _constrain(logits, plan.constrained, plan.token_bitmask)
         try:
             picks = self._sample_rows(logits, rows)
         except Exception:
@@ -114,3 +119,14 @@ class LocalExecutor:
         """Release what outlives the process otherwise (the disk tier's files and lock)."""
         if self.tier_storage is not None:
             self.tier_storage.close()
+
+
+def _constrain(logits: Tensor, rows: list[int], bitmask: Tensor) -> None:
+    """Mask, in place, the tokens row ``rows[i]`` of ``logits`` may not take (``bitmask[i]``)."""
+    if rows == list(range(logits.shape[0])):
+        apply_bitmask(logits, bitmask)
+    else:
+        index = torch.tensor(rows)
+        constrained = logits.index_select(0, index)
+        apply_bitmask(constrained, bitmask)
+        logits.index_copy_(0, index, constrained)

@@ -7,7 +7,8 @@ The plan carries everything the step does to the KV cache and the model, in orde
    as the core decided them (:mod:`flexpage.core.kv_ops`);
 2. ``inputs`` -- the rows of the forward pass (None: a plan of KV operations only);
 3. ``samples`` -- which logits rows to sample, with each row's parameters, history and
-   generator (a row may be sampled more than once: the ``n`` samples of a prompt);
+   generator (a row may be sampled more than once: the ``n`` samples of a prompt), and the
+   allowed-token bitmasks of the samples under a grammar (structured outputs);
 4. ``scores`` -- blocks whose eviction-policy scores the forward pass must produce.
 
 The result carries what came back: the tokens each sample row accepted (a list per row, so
@@ -52,6 +53,10 @@ class StepPlan:
     kv_ops: list[KVOp] = field(default_factory=list)
     inputs: StepInputs | None = None
     samples: list[SampleRow] = field(default_factory=list)
+    #: indices into ``samples`` whose tokens a grammar constrains, and their bitmasks (int32
+    #: ``[len(constrained), words]``, bit ``t`` set where token ``t`` is allowed)
+    constrained: list[int] = field(default_factory=list)
+    token_bitmask: torch.Tensor | None = None
     scores: list[ScoreRequest] = field(default_factory=list)
 
 
