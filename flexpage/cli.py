@@ -195,6 +195,10 @@ def serve(
     warmup: bool = typer.Option(True, help="Run one tiny request before listening (compiles kernels)."),
     log_level: str = typer.Option("warning", help="critical | error | warning | info | debug."),
     kernel_fallback: Optional[str] = typer.Option(None, help=KERNEL_FALLBACK_HELP),
+    tool_prompt: Optional[str] = typer.Option(None, help="A text file that shows a request's tools to the model, "
+                                                         "its '{tools}' replaced by one JSON line per tool; used "
+                                                         "for every model [default: the chat template's own tool "
+                                                         "format, else flexpage.server.tools.TOOL_PROMPT]."),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     from rich.console import Console
@@ -224,7 +228,7 @@ def serve(
         disk_kv_bytes=disk_kv_bytes, kv_tier_policy=kv_tier_policy, kv_layout=kv_layout,
         kv_resident_bytes=kv_resident_bytes, tensor_parallel_size=tensor_parallel_size, quantization=quantization,
         tensor_parallel_timeout=tensor_parallel_timeout, seed=seed, max_request_body=max_request_body,
-        drain_timeout=drain_timeout, warmup=warmup,
+        drain_timeout=drain_timeout, warmup=warmup, tool_prompt=tool_prompt,
         log_level=log_level,
     )
     try:

@@ -19,6 +19,7 @@ one key's conversation never shares KV with another key's. ``GET /v1/kv`` shows 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any, Callable, TypeVar
@@ -53,6 +54,9 @@ from flexpage.server.schema import (
     route_docs,
 )
 from flexpage.server.state import ServerState
+from flexpage.server.tools import TOOL_PROMPT, ToolRequest, chat_inputs, check_messages, compile_tools, \
+    template_renders_tools, tool_request
+from flexpage.structured.params import StructuredOutputsParams
 
 __all__ = ["ServerState", "build_app"]
 
@@ -254,13 +258,15 @@ def build_app(state: ServerState) -> Any:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = _sampling_params(req, max_tokens, logprobs)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        ids = await _in_tokenizer_thread(state, lambda: _render_chat(state.tokenizer, messages,
-                                                                      req.add_generation_prompt))
+        tools = tool_request(req)
+        check_messages(req.messages)
+        ids, constraint = await _in_tokenizer_thread(state, lambda: _chat_prompt(state, req, tools))
+        if constraint is not None:
+            params = dataclasses.replace(params, structured_outputs=constraint)
         _check_length(state, len(ids), params, "messages")
         return await run_request(request, state, [(None, ids)], params, arrival, chat=True, stream=bool(req.stream),
                           include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                          top_k=req.top_logprobs or 0, options=_conversation_options(request, req.user))
+                          top_k=req.top_logprobs or 0, options=_conversation_options(request, req.user), tools=tools)
 
     @app.get("/v1/kv")
     async def kv_cache(request: Request) -> dict[str, Any]:
@@ -271,10 +277,21 @@ def build_app(state: ServerState) -> Any:
     return Guard(app, state)
 
 
-def _render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+def _chat_prompt(state: ServerState, req: ChatCompletionRequest,
+                 tools: ToolRequest | None) -> tuple[list[int], StructuredOutputsParams | None]:
+    """In the tokenizer thread: the chat's prompt ids and its tools' output constraint, compiled
+    (a tool schema the grammar library refuses is a 400 before the request is queued)."""
+    native = state.tool_prompt is None and template_renders_tools(state.tokenizer)
+    messages, extra = chat_inputs(req.messages, tools, native=native, prompt_template=state.tool_prompt or TOOL_PROMPT)
+    constraint = compile_tools(tools, state.engine_loop.engine.grammars.compile) if tools is not None else None
+    return _render_chat(state.tokenizer, messages, req.add_generation_prompt, **extra), constraint
+
+
+def _render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                 **template_kwargs: Any) -> list[int]:
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                            return_dict=False)
+                                            return_dict=False, **template_kwargs)
     except Exception as error:  # jinja errors (e.g. the template's raise_exception) are the client's
         raise APIError(400, f"messages: the chat template failed: {error}", param="messages",
                        code="invalid_value") from None

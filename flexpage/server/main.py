@@ -63,6 +63,7 @@ class ServeSettings:
     max_request_body: str = "4MiB"
     drain_timeout: float = 30.0
     warmup: bool = True
+    tool_prompt: str | None = None  # a file with a {tools} slot (see flexpage.server.tools)
     log_level: str = "warning"
 
 
@@ -78,6 +79,7 @@ def run_server(settings: ServeSettings) -> int:
     from flexpage.server.api import ServerState, build_app
     from flexpage.server.engine_loop import EngineLoop
     from flexpage.server.metrics import ServerMetrics
+    from flexpage.server.tools import read_tool_prompt
 
     console = Console(highlight=False)
     logging.basicConfig(level=getattr(logging, settings.log_level.upper(), logging.WARNING),
@@ -85,6 +87,7 @@ def run_server(settings: ServeSettings) -> int:
     max_body = parse_size(settings.max_request_body)
     if max_body <= 0:
         raise ValueError(f"max_request_body: got {settings.max_request_body!r}, expected a positive size")
+    tool_prompt = read_tool_prompt(settings.tool_prompt) if settings.tool_prompt is not None else None
     config = EngineConfig(
         model=settings.model, dtype=settings.dtype, block_size=settings.block_size,
         attention_block_size=settings.attention_block_size, num_blocks=settings.num_blocks,
@@ -131,7 +134,7 @@ def run_server(settings: ServeSettings) -> int:
     state = ServerState(
         engine_loop=engine_loop, tokenizer=load_tokenizer(engine.model_path), served_model_name=served_name,
         max_model_len=engine.max_model_len, vocab_size=engine.vocab_size, api_key=settings.api_key or None,
-        max_body_bytes=max_body, metrics=metrics, recipes=recipe_summary(engine.recipes),
+        max_body_bytes=max_body, metrics=metrics, recipes=recipe_summary(engine.recipes), tool_prompt=tool_prompt,
     )
     app = build_app(state)
     engine_loop.start()

@@ -17,7 +17,11 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "FunctionDefinition",
+    "NamedToolChoice",
     "StreamOptions",
+    "ToolCall",
+    "ToolDefinition",
     "error_body",
     "validation_error",
 ]
@@ -124,10 +128,25 @@ class _TextPart(_Base):
     text: str
 
 
+class FunctionCall(_Base):
+    name: str
+    arguments: str  # JSON text (OpenAI's shape); flexpage.server.tools checks it parses
+
+
+class ToolCall(_Base):
+    """A call an earlier assistant turn made (``messages[i].tool_calls[j]``)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Base):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's roles
     content: Optional[Union[str, list[_TextPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # role "assistant" only
+    tool_call_id: Optional[str] = None  # role "tool": the call this message answers
 
     def text(self) -> str:
         if self.content is None:
@@ -137,13 +156,36 @@ class ChatMessage(_Base):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(_Base):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments object; None: no arguments
+    strict: Optional[bool] = None  # accepted: calls are always schema-constrained (see flexpage.server.tools)
+
+
+class ToolDefinition(_Base):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class _FunctionName(_Base):
+    name: str
+
+
+class NamedToolChoice(_Base):
+    type: Literal["function"]
+    function: _FunctionName
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
-    tools: Optional[list[Any]] = None
+    tools: Optional[list[ToolDefinition]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None  # None: "auto" with tools
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
 
 
@@ -158,5 +200,3 @@ def unsupported_fields(req: _SamplingFields) -> None:
             raise APIError(400, "echo is not supported", param="echo", code="unsupported")
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
-    if isinstance(req, ChatCompletionRequest) and req.tools:
-        raise APIError(400, "tools are not supported", param="tools", code="unsupported")

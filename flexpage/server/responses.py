@@ -1,6 +1,7 @@
 """One HTTP request's engine requests, and how their deltas become an OpenAI response: the
 submission (accepted or failed before any byte is sent), the collected body or the SSE
-stream, logprob formatting, and aborting when the client goes away."""
+stream, logprob formatting, tool calls read out of a chat's text
+(:mod:`flexpage.server.tool_calls`), and aborting when the client goes away."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from flexpage.sampling_params import SamplingParams
 from flexpage.server.engine_loop import Accepted, Delta, Failed, SampleDelta, Sink
 from flexpage.server.protocol import APIError
 from flexpage.server.state import ServerState
+from flexpage.server.tool_calls import ToolCallReader, finish_reason
+from flexpage.server.tools import ToolRequest
 
 __all__ = ["run_request"]
 
@@ -123,6 +126,12 @@ class _Choice:
     text_offset: int = 0
     finish_reason: str | None = None
     started: bool = False
+    tool_reader: ToolCallReader | None = None  # a chat with tools: its calls, read from the text
+
+
+def _choices(count: int, tools: ToolRequest | None) -> list[_Choice]:
+    read = tools is not None and tools.reads_calls
+    return [_Choice(tool_reader=ToolCallReader(tools.leading_text) if read else None) for _ in range(count)]
 
 
 class _Usage:
@@ -201,7 +210,7 @@ def _sse(obj: Any) -> str:
 
 async def run_request(request: Request, state: ServerState, prompts: list[tuple[str | None, list[int]]],
                params: SamplingParams, arrival: float, *, chat: bool, stream: bool, include_usage: bool,
-               top_k: int, options: dict[str, Any] | None = None) -> Response:
+               top_k: int, options: dict[str, Any] | None = None, tools: ToolRequest | None = None) -> Response:
     submission = Submission(state, prompts, params, arrival, options)
     await submission.start()  # APIError if the engine refuses
     prefix = "chatcmpl-" if chat else "cmpl-"
@@ -210,15 +219,27 @@ async def run_request(request: Request, state: ServerState, prompts: list[tuple[
     if stream:
         return StreamingResponse(
             _stream(request, state, submission, response_id, created, chat=chat, include_usage=include_usage,
-                    top_k=top_k),
+                    top_k=top_k, tools=tools),
             media_type="text/event-stream", headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
-    return await _collect(request, state, submission, response_id, created, chat=chat, top_k=top_k)
+    return await _collect(request, state, submission, response_id, created, chat=chat, top_k=top_k, tools=tools)
+
+
+def _message(choice: _Choice) -> tuple[dict[str, Any], str | None]:
+    """A collected chat choice's message and finish reason (with its tool calls, if read)."""
+    reader = choice.tool_reader
+    if reader is None:
+        return {"role": "assistant", "content": choice.text}, choice.finish_reason
+    content, _ = reader.feed(choice.text, final=True)
+    message: dict[str, Any] = {"role": "assistant", "content": content if content or not reader.calls else None}
+    if reader.calls:
+        message["tool_calls"] = reader.calls
+    return message, finish_reason(choice.finish_reason, reader)
 
 
 async def _collect(request: Request, state: ServerState, submission: Submission, response_id: str, created: int,
-                   *, chat: bool, top_k: int) -> Response:
+                   *, chat: bool, top_k: int, tools: ToolRequest | None) -> Response:
     n = submission.params.n
-    choices = [_Choice() for _ in range(len(submission.prompts) * n)]
+    choices = _choices(len(submission.prompts) * n, tools)
     usage = _Usage(len(submission.prompts))
     want_logprobs = submission.params.logprobs is not None
     failure: Failed | None = None
@@ -263,8 +284,8 @@ async def _collect(request: Request, state: ServerState, submission: Submission,
             logprobs = _chat_logprobs(ids, entries, top_k) if chat else _completion_logprobs(choice, ids, entries,
                                                                                             top_k)
         if chat:
-            body_choices.append({"index": i, "message": {"role": "assistant", "content": choice.text},
-                                 "logprobs": logprobs, "finish_reason": choice.finish_reason})
+            message, reason = _message(choice)
+            body_choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
         else:
             body_choices.append({"index": i, "text": choice.text, "logprobs": logprobs,
                                  "finish_reason": choice.finish_reason})
@@ -275,9 +296,9 @@ async def _collect(request: Request, state: ServerState, submission: Submission,
 
 
 async def _stream(request: Request, state: ServerState, submission: Submission, response_id: str, created: int, *,
-                  chat: bool, include_usage: bool, top_k: int) -> AsyncIterator[str]:
+                  chat: bool, include_usage: bool, top_k: int, tools: ToolRequest | None) -> AsyncIterator[str]:
     n = submission.params.n
-    choices = [_Choice() for _ in range(len(submission.prompts) * n)]
+    choices = _choices(len(submission.prompts) * n, tools)
     usage = _Usage(len(submission.prompts))
     holdback = _holdback(submission.params)
     want_logprobs = submission.params.logprobs is not None
@@ -297,10 +318,20 @@ async def _stream(request: Request, state: ServerState, submission: Submission, 
         if want_logprobs and sample.logprobs and sample.token_ids:
             logprobs = (_chat_logprobs(sample.token_ids, sample.logprobs, top_k) if chat
                         else _completion_logprobs(choice, sample.token_ids, sample.logprobs, top_k))
+        reader = choice.tool_reader
+        if reader is not None:  # content and calls, read from the text sent so far
+            content, calls = reader.feed(sample.text[:choice.sent_chars], final=finished)
+            delta: dict[str, Any] = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = calls
+            if not delta and logprobs is None and not finished:
+                return None
+            return chunk({"index": index, "delta": delta, "logprobs": logprobs,
+                          "finish_reason": finish_reason(sample.finish_reason, reader)})
         if not text and logprobs is None and not finished:
             return None
         if chat:
-            delta: dict[str, Any] = {"content": text} if text or not finished else {}
+            delta = {"content": text} if text or not finished else {}
             return chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": sample.finish_reason})
         return chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": sample.finish_reason})
 
@@ -310,7 +341,9 @@ async def _stream(request: Request, state: ServerState, submission: Submission, 
         if chat:
             for i, choice in enumerate(choices):
                 choice.started = True
-                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                # with tools, content stays null unless text comes (the collected message's content)
+                content = None if choice.tool_reader is not None else ""
+                yield chunk({"index": i, "delta": {"role": "assistant", "content": content}, "logprobs": None,
                              "finish_reason": None})
         async for item in submission.items():
             if isinstance(item, Failed):

@@ -67,7 +67,7 @@ class ChatLogprobs(_Shape):
     content: list[ChatTokenLogprob]
 
 
-FinishReason = Optional[Literal["stop", "length", "abort"]]
+FinishReason = Optional[Literal["stop", "length", "tool_calls", "abort"]]
 
 
 class CompletionChoice(_Shape):
@@ -90,9 +90,21 @@ class CompletionResponse(_Shape):
     system_fingerprint: None
 
 
+class CalledFunction(_Shape):
+    name: str
+    arguments: str  # JSON text
+
+
+class MessageToolCall(_Shape):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantMessage(_Shape):
     role: Literal["assistant"]
-    content: str
+    content: Optional[str]  # null when the message is tool calls only
+    tool_calls: Optional[list[MessageToolCall]] = None  # only with tools (flexpage.server.tools)
 
 
 class ChatChoice(_Shape):
@@ -112,9 +124,16 @@ class ChatCompletionResponse(_Shape):
     system_fingerprint: None
 
 
+class DeltaToolCall(MessageToolCall):
+    """flexpage sends each call whole, in one delta, once it is complete."""
+
+    index: int
+
+
 class ChatDelta(_Shape):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatChunkChoice(_Shape):

@@ -26,6 +26,7 @@ class ServerState:
     max_body_bytes: int = 4 << 20
     metrics: ServerMetrics | None = None
     recipes: str = ""  # the attention recipes the model runs (see flexpage.server.main.recipe_summary)
+    tool_prompt: str | None = None  # --tool-prompt's text; None: the template's own, else tools.TOOL_PROMPT
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     inflight: int = 0
