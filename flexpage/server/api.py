@@ -53,6 +53,7 @@ from flexpage.server.schema import (
     route_docs,
 )
 from flexpage.server.state import ServerState
+from flexpage.server.structured import Constraint, compile_constraint, requested_constraint
 
 __all__ = ["ServerState", "build_app"]
 
@@ -82,13 +83,15 @@ def _check_model(state: ServerState, name: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-def _sampling_params(req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling_params(req: Any, max_tokens: int | None, logprobs: int | None,
+                     constraint: Constraint | None = None) -> SamplingParams:
     if not 1 <= req.n <= MAX_N:
         raise APIError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n", code="invalid_value")
     kwargs: dict[str, Any] = dict(
         n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, seed=req.seed,
         stop=req.stop, stop_token_ids=req.stop_token_ids, logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens, kv_budget=req.kv_budget,
+        structured_outputs=constraint.spec if constraint is not None else None,
     )
     defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
                 "frequency_penalty": 0.0, "repetition_penalty": 1.0}
@@ -229,7 +232,8 @@ def build_app(state: ServerState) -> Any:
     @app.post("/v1/completions", openapi_extra=route_docs(CompletionRequest, CompletionResponse, CompletionResponse))
     async def completions(request: Request) -> Response:
         req, arrival = await read_request(request, CompletionRequest)
-        params = _sampling_params(req, req.max_tokens, req.logprobs)
+        constraint = requested_constraint(req)
+        params = _sampling_params(req, req.max_tokens, req.logprobs, constraint)
         prompts = await _completion_prompts(state, req.prompt)
         for _, ids in prompts:
             _check_length(state, len(ids), params, "prompt")
@@ -237,6 +241,7 @@ def build_app(state: ServerState) -> Any:
         if options and len(prompts) > 1:
             raise APIError(400, "a conversation continues one prompt at a time; got a conversation id with "
                                 f"{len(prompts)} prompts", param="prompt", code="invalid_value")
+        await compile_constraint(state, constraint)
         return await run_request(request, state, prompts, params, arrival, chat=False, stream=bool(req.stream),
                           include_usage=bool(req.stream_options and req.stream_options.include_usage),
                           top_k=req.logprobs or 0, options=options)
@@ -253,11 +258,13 @@ def build_app(state: ServerState) -> Any:
                            code="invalid_value")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = _sampling_params(req, max_tokens, logprobs)
+        constraint = requested_constraint(req)
+        params = _sampling_params(req, max_tokens, logprobs, constraint)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         ids = await _in_tokenizer_thread(state, lambda: _render_chat(state.tokenizer, messages,
                                                                       req.add_generation_prompt))
         _check_length(state, len(ids), params, "messages")
+        await compile_constraint(state, constraint)
         return await run_request(request, state, [(None, ids)], params, arrival, chat=True, stream=bool(req.stream),
                           include_usage=bool(req.stream_options and req.stream_options.include_usage),
                           top_k=req.top_logprobs or 0, options=_conversation_options(request, req.user))
