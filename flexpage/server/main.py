@@ -133,6 +133,7 @@ def run_server(settings: ServeSettings) -> int:
     engine_loop.metrics = metrics
     state = ServerState(
         engine_loop=engine_loop, tokenizer=load_tokenizer(engine.model_path), served_model_name=served_name,
+        grammars=engine.grammars,
         max_model_len=engine.max_model_len, vocab_size=engine.vocab_size, api_key=settings.api_key or None,
         max_body_bytes=max_body, metrics=metrics, recipes=recipe_summary(engine.recipes), tool_prompt=tool_prompt,
     )

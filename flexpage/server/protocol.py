@@ -1,14 +1,18 @@
 """Request bodies of the OpenAI-compatible API (pydantic, strict JSON) and the error shape.
 
 Bodies are validated with ``model_validate_json`` in strict mode: ``"5"`` is not an int,
-``1`` is not a bool, a float field accepts ints. Unknown fields are ignored (clients such as
-the ``openai`` SDK send extras), except a few that would silently change the meaning of a
-request; those are refused by :func:`unsupported_fields`.
+``1`` is not a bool, a float field accepts ints. Fields this server does not implement are
+handled by :func:`unsupported_fields`, one table for all of them: those that would change the
+output are refused with a 400 naming the field (:data:`REFUSED_FIELDS`), those that do not are
+accepted and ignored (:data:`IGNORED_FIELDS`), and a field nobody here knows is accepted with
+a warning in the server log (clients such as the ``openai`` SDK send extras).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
+
+import logging
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -18,8 +22,12 @@ __all__ = [
     "ChatMessage",
     "CompletionRequest",
     "FunctionDefinition",
+    "IGNORED_FIELDS",
     "NamedToolChoice",
+    "REFUSED_FIELDS",
+    "ResponseFormat",
     "StreamOptions",
+    "StructuredOutputsField",
     "ToolCall",
     "ToolDefinition",
     "error_body",
@@ -88,8 +96,37 @@ class StreamOptions(_Base):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Base):
+    """OpenAI's ``response_format.json_schema``. ``strict`` is accepted either way: the schema
+    is always enforced (decoding is constrained to it)."""
+
+    name: str
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Base):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsField(_Base):
+    """vLLM's ``structured_outputs`` (see :class:`flexpage.structured.StructuredOutputsParams`)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    json: Optional[Union[dict[str, Any], str]] = None
+    json_object: Optional[bool] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+
+
 class _SamplingFields(_Base):
     """Fields shared by both endpoints (OpenAI names plus vLLM's extras)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")  # unknown fields: see unsupported_fields
 
     model: Optional[str] = None
     n: int = 1
@@ -110,6 +147,12 @@ class _SamplingFields(_Base):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     kv_budget: Optional[int] = None  # KV tokens kept per layer (flexpage's extra; see SamplingParams.kv_budget)
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsField] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None  # vLLM's older spellings of structured_outputs
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
     # accepted only in their no-op form (see unsupported_fields)
     logit_bias: Optional[dict[str, float]] = None
     best_of: Optional[int] = None
@@ -189,8 +232,37 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
 
 
+#: fields of OpenAI's or vLLM's API that would change the output, and what to use instead
+REFUSED_FIELDS = {
+    "functions": "use tools", "function_call": "use tool_choice",
+    "structural_tag": "use structured_outputs.grammar", "guided_decoding_backend": "the backend is llguidance",
+    "guided_whitespace_pattern": "JSON is generated with fixed separators", "use_beam_search": "not supported yet",
+    "prompt_logprobs": "not supported yet", "allowed_token_ids": "use structured_outputs.choice or regex",
+    "bad_words": "not supported", "logits_processors": "not supported", "prediction": "not supported",
+    "audio": "text only", "modalities": "text only", "include_stop_str_in_output": "not supported",
+    "truncate_prompt_tokens": "not supported", "continue_final_message": "not supported",
+    "chat_template": "the model's own template is used", "chat_template_kwargs": "not supported",
+    "documents": "not supported", "length_penalty": "not supported (no beam search)",
+    "return_tokens_as_token_ids": "not supported",
+    "tools": "tools are for /v1/chat/completions", "tool_choice": "tools are for /v1/chat/completions",
+}
+#: fields that do not change the output: accepted and ignored
+IGNORED_FIELDS = frozenset({"store", "metadata", "service_tier", "reasoning_effort", "priority", "request_id", "spaces_between_special_tokens",
+                            "web_search_options", "safety_identifier", "prompt_cache_key", "verbosity"})
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
 def unsupported_fields(req: _SamplingFields) -> None:
-    """Refuse options this server would otherwise silently ignore."""
+    """Refuse options this server would otherwise silently ignore; warn (once per name) of
+    fields it does not know."""
+    for name, value in (req.model_extra or {}).items():
+        if name in REFUSED_FIELDS and value is not None:
+            raise APIError(400, f"{name} is not supported ({REFUSED_FIELDS[name]})", param=name, code="unsupported")
+        if name not in IGNORED_FIELDS and name not in REFUSED_FIELDS and name not in _warned:
+            _warned.add(name)
+            log.warning("request field %r is not known to this server and was ignored", name)
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported")
     if req.best_of is not None and req.best_of != req.n:

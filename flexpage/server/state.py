@@ -26,6 +26,9 @@ class ServerState:
     max_body_bytes: int = 4 << 20
     metrics: ServerMetrics | None = None
     recipes: str = ""  # the attention recipes the model runs (see flexpage.server.main.recipe_summary)
+    #: the engine's grammar compiler (thread-safe): requests' constraints compile in the
+    #: tokenizer thread, before they are queued (None: the engine compiles them when they arrive)
+    grammars: Any = None
     tool_prompt: str | None = None  # --tool-prompt's text; None: the template's own, else tools.TOOL_PROMPT
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False

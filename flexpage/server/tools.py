@@ -34,12 +34,13 @@ from typing import Any, Callable, Literal
 
 from flexpage.errors import InvalidParameter
 from flexpage.server.protocol import APIError, ChatCompletionRequest, ChatMessage, ToolDefinition
+from flexpage.server.structured import Constraint
 from flexpage.structured.llguidance_backend import JSON_DEFAULTS
 from flexpage.structured.params import StructuredOutputsParams
 
 __all__ = ["CALL_CLOSE", "CALL_OPEN", "TOOL_PROMPT", "ToolRequest", "chat_inputs", "check_messages",
-           "compile_tools", "read_tool_prompt", "template_renders_tools", "tool_call_grammar", "tool_prompt",
-           "tool_request"]
+           "compile_tools", "read_tool_prompt", "template_renders_tools", "tool_call_grammar", "tool_constraint",
+           "tool_prompt", "tool_request"]
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -139,10 +140,23 @@ def _choice_text(choice: Any) -> str:
     return f"tool_choice {choice!r}" if isinstance(choice, str) else f"tool_choice naming {choice.function.name!r}"
 
 
-def compile_tools(tools: ToolRequest, compile: Callable[[StructuredOutputsParams], Any]) -> StructuredOutputsParams | None:
+def tool_constraint(tools: ToolRequest | None, requested: Constraint | None) -> Constraint | None:
+    """The request's one output constraint: its tools' calls (every tool_choice but "none"), or
+    the one it asked for (``response_format``, ``structured_outputs``...); both is a 400."""
+    if tools is None or not tools.reads_calls:
+        return requested
+    if requested is not None:
+        choice = f"naming {tools.function!r}" if tools.function else repr(tools.choice)
+        raise APIError(400, f"tools and {requested.param}: a request takes one output constraint, and tool_choice "
+                            f"{choice} constrains the output to tool calls (with tool_choice 'none' it does not)",
+                       param="tools", code="invalid_value")
+    return Constraint(tools.constraint(), "tools")
+
+
+def compile_tools(tools: ToolRequest, compile: Callable[[StructuredOutputsParams], Any]) -> None:
     """Compile each tool's parameters schema, then the request's constraint, with ``compile``
     (the engine's grammar compiler: cached, thread-safe); a schema the grammar library refuses is
-    a 400 naming that tool. Returns the constraint (None for ``"none"``)."""
+    a 400 naming that tool."""
     for i, tool in enumerate(tools.tools):
         spec = StructuredOutputsParams(json=_arguments_schema(tool))
         try:
@@ -157,7 +171,6 @@ def compile_tools(tools: ToolRequest, compile: Callable[[StructuredOutputsParams
         except InvalidParameter as error:  # each schema compiled alone: embedding them failed
             raise _error("tools", f"the tools' call grammar does not compile: "
                                   f"{str(error).removeprefix(constraint.field + ': ')}") from None
-    return constraint
 
 
 # -- the output grammar -------------------------------------------------------------------------

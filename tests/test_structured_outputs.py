@@ -1,0 +1,245 @@
+"""Structured outputs in the engine: every output matches its constraint, greedy tokens equal
+a second implementation's (HF's logits masked by llguidance directly), grammar state
+survives preemption, a bad constraint is refused before anything is queued.
+
+Tiny random-weight models share the default model's tokenizer, so their grammars are real
+SmolLM2 grammars; their text is nonsense, which is the point: the constraint alone makes it
+parse.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import jsonschema
+import llguidance
+import llguidance.hf
+import pytest
+import torch
+
+from engine_models import load_reference, random_prompts
+from flexpage import SamplingParams, StructuredOutputsParams
+from flexpage.errors import InvalidParameter
+from flexpage.structured.bitmask import apply_bitmask
+from flexpage.structured.compiler import GrammarCompiler
+from flexpage.structured.llguidance_backend import JSON_DEFAULTS, LLGuidanceBackend
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "admin": {"type": "boolean"},
+                   "role": {"enum": ["dev", "ops", "pm"]}, "tags": {"type": "array", "maxItems": 2,
+                                                                    "items": {"type": "string", "maxLength": 4}}},
+    "required": ["name", "admin", "role"],
+    "additionalProperties": False,
+}
+REGEX = r"[A-Z]{2}-\d{3}"
+CHOICES = ["alpha", "beta", "gamma delta"]
+GRAMMAR = 'root ::= "(" item ("," item)? ")"\nitem ::= "x" | "y" | "zz"'
+GRAMMAR_RE = r"\((x|y|zz)(,(x|y|zz))?\)"
+
+CONSTRAINTS = {
+    "json": StructuredOutputsParams(json=PERSON),
+    "regex": StructuredOutputsParams(regex=REGEX),
+    "choice": StructuredOutputsParams(choice=CHOICES),
+    "grammar": StructuredOutputsParams(grammar=GRAMMAR),
+}
+PROMPTS = random_prompts((5, 12, 7), seed=3)
+MAX_TOKENS = 48
+
+
+def matches(kind: str, text: str) -> bool:
+    """The check of a second implementation: jsonschema, Python's re, membership."""
+    if kind == "json":
+        try:
+            jsonschema.validate(json.loads(text), PERSON)
+        except (ValueError, jsonschema.ValidationError):
+            return False
+        return True
+    if kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    if kind == "choice":
+        return text in CHOICES
+    return re.fullmatch(GRAMMAR_RE, text) is not None
+
+
+# -- the parameters -------------------------------------------------------------------------------
+def test_exactly_one_constraint_is_given():
+    with pytest.raises(InvalidParameter, match="exactly one of .* got none"):
+        StructuredOutputsParams()
+    with pytest.raises(InvalidParameter, match="got json, regex"):
+        StructuredOutputsParams(json={}, regex="a")
+    with pytest.raises(InvalidParameter) as error:
+        StructuredOutputsParams(choice=["a", ""])
+    assert error.value.param == "structured_outputs.choice"
+    with pytest.raises(InvalidParameter, match="expected a JSON schema"):
+        StructuredOutputsParams(json=[1])
+    with pytest.raises(InvalidParameter, match="structured_outputs must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"json": {}})
+
+
+def test_equal_schemas_written_differently_share_one_key():
+    a = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    b = StructuredOutputsParams(json={"properties": {"a": {"type": "integer"}}, "type": "object"})
+    assert a.key() == b.key() and a.key() != StructuredOutputsParams(json={"type": "object"}).key()
+    assert StructuredOutputsParams(choice=["a", "b"]).key() != StructuredOutputsParams(choice=["b", "a"]).key()
+
+
+def test_the_bitmask_masks_exactly_the_tokens_whose_bits_are_clear():
+    generator = torch.Generator().manual_seed(0)
+    for vocab in (64, 1003, 49152):
+        words = (vocab + 31) // 32
+        bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), dtype=torch.int32, generator=generator)
+        logits = torch.randn(3, vocab, generator=generator)
+        expected = logits.clone()
+        for row in range(3):
+            for token in range(vocab):
+                if not (int(bitmask[row, token // 32]) >> (token % 32)) & 1:
+                    expected[row, token] = float("-inf")
+        apply_bitmask(logits, bitmask)
+        assert torch.equal(logits, expected)
+
+
+# -- the compiler ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def backend(default_model_path):
+    from flexpage.model.loader import load_tokenizer
+
+    return LLGuidanceBackend(load_tokenizer(default_model_path), 49152, [2])
+
+
+def test_a_schema_seen_before_costs_no_compile(backend):
+    compiler = GrammarCompiler(lambda: backend)
+    first = compiler.compile(StructuredOutputsParams(json=PERSON))
+    again = compiler.compile(StructuredOutputsParams(json=json.loads(json.dumps(PERSON))))
+    assert again is first and (compiler.hits, compiler.misses) == (1, 1)
+
+
+def test_one_new_constraint_asked_by_many_threads_compiles_once(backend):
+    calls = []
+
+    class Counting:
+        vocab_size = backend.vocab_size
+
+        def compile(self, spec):
+            calls.append(spec)
+            return backend.compile(spec)
+
+    compiler = GrammarCompiler(Counting)
+    grammars = []
+    threads = [threading.Thread(target=lambda: grammars.append(compiler.compile(CONSTRAINTS["grammar"])))
+               for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1 and len(grammars) == 8 and all(g is grammars[0] for g in grammars)
+
+
+@pytest.mark.parametrize(("spec", "param", "message"), [
+    (StructuredOutputsParams(json={"type": "objectx"}), "structured_outputs.json", "objectx"),
+    (StructuredOutputsParams(json='{"type": '), "structured_outputs.json", "EOF while parsing"),
+    (StructuredOutputsParams(regex="(ab"), "structured_outputs.regex", "unclosed group"),
+    (StructuredOutputsParams(grammar="root ::= missing"), "structured_outputs.grammar", "missing"),
+])
+def test_a_bad_constraint_is_refused_with_the_libraries_message_and_not_cached(backend, spec, param, message):
+    compiler = GrammarCompiler(lambda: backend)
+    for _ in range(2):  # the second request gets the same error, not a cached failure
+        with pytest.raises(InvalidParameter, match=message) as error:
+            compiler.compile(spec)
+        assert error.value.param == param
+    assert compiler.misses == 2
+
+
+# -- the engine -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.mark.parametrize("kind", list(CONSTRAINTS))
+def test_every_sample_of_a_random_model_matches_its_constraint(kind, llama, llm_factory, kv_blocks_returned):
+    params = [SamplingParams(n=3, temperature=1.0, seed=10 + i, max_tokens=MAX_TOKENS,
+                             structured_outputs=CONSTRAINTS[kind]) for i in range(len(PROMPTS))]
+    outputs = llm_factory(llama).generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    samples = [sample for out in outputs for sample in out.outputs]
+    assert len(samples) == 3 * len(PROMPTS)
+    for sample in samples:
+        assert sample.finish_reason == "stop", sample
+        assert matches(kind, sample.text), sample.text
+
+
+def _reference_greedy(model, tokenizer, prompt: list[int], spec: StructuredOutputsParams, max_tokens: int) -> list[int]:
+    """HF's logits, llguidance's mask applied with ``masked_fill``, argmax, until the grammar stops."""
+    lltokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=model.config.vocab_size, eos_token=[2])
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(spec.json), defaults=JSON_DEFAULTS)
+    matcher = llguidance.LLMatcher(lltokenizer, grammar)
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            mask = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8)[: logits.shape[0]] > 0
+            token = int(logits.masked_fill(~mask, float("-inf")).argmax())
+            assert matcher.consume_token(token)
+            out.append(token)
+            ids.append(token)
+            if token == 2 or matcher.is_stopped():
+                break
+    return out
+
+
+def test_greedy_constrained_tokens_equal_a_second_implementation(llama, llm_factory, default_model_path):
+    from flexpage.model.loader import load_tokenizer
+
+    spec = CONSTRAINTS["json"]
+    model, tokenizer = load_reference(llama), load_tokenizer(default_model_path)
+    expected = [_reference_greedy(model, tokenizer, p, spec, MAX_TOKENS) for p in PROMPTS]
+    outputs = llm_factory(llama).generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                          SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                         structured_outputs=spec))
+    assert [out.outputs[0].token_ids for out in outputs] == expected
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_grammar_state_survives_preemption(mode, llama, llm_factory):
+    """A pool too small for all prompts: preempted samples resume their grammars where they were."""
+    prompts = random_prompts((5, 17, 33, 60, 9, 24), seed=7)
+    params = [SamplingParams(n=1 + i % 2, temperature=1.0, seed=40 + i, max_tokens=MAX_TOKENS,
+                             structured_outputs=CONSTRAINTS["json"]) for i in range(len(prompts))]
+    roomy = llm_factory(llama, num_blocks=128)
+    tight = llm_factory(llama, num_blocks=1 + 12 - 2, block_size=16, preemption_mode=mode, swap_space="1MiB",
+                        enable_chunked_prefill=True, max_num_batched_tokens=16)
+
+    def samples(llm):
+        return [[s.text for s in out.outputs] for out in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                       params)]
+
+    expected = samples(roomy)
+    before = tight.engine.stats()["preemptions"]
+    assert samples(tight) == expected
+    assert tight.engine.stats()["preemptions"] > before
+    assert all(matches("json", text) for texts in expected for text in texts)
+
+
+def test_a_bad_constraint_is_refused_before_queueing_and_others_go_on(llama, llm_factory, kv_blocks_returned):
+    engine = llm_factory(llama).engine
+    engine.add_request({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0.0, max_tokens=4), "good")
+    with pytest.raises(InvalidParameter) as error:
+        engine.add_request({"prompt_token_ids": PROMPTS[1]},
+                           SamplingParams(structured_outputs=StructuredOutputsParams(regex="[z-a]")), "bad")
+    assert error.value.param == "structured_outputs.regex"
+    assert set(engine.requests) == {"good"}
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [out for out in engine.step() if out.finished]
+    assert [out.request_id for out in finished] == ["good"] and finished[0].error is None
+
+
+def test_a_grammar_that_cannot_finish_in_max_tokens_ends_with_length(llama, llm_factory, kv_blocks_returned):
+    spec = StructuredOutputsParams(regex=r"a{20}")
+    [out] = llm_factory(llama).generate({"prompt_token_ids": PROMPTS[0]},
+                                        SamplingParams(temperature=0.0, max_tokens=3, structured_outputs=spec))
+    sample = out.outputs[0]
+    assert sample.finish_reason == "length" and len(sample.token_ids) == 3
+    assert re.fullmatch(r"a+", sample.text) and len(sample.text) < 20
