@@ -697,6 +697,17 @@ def test_a_bad_or_conflicting_constraint_is_a_400_naming_the_field(server: Serve
         assert fragment is None or fragment in error["message"], error
 
 
+def test_a_schema_seen_before_is_not_compiled_again(server: ServerProcess) -> None:
+    schema = {"type": "object", "properties": {"seen_before": {"type": "boolean"}}, "required": ["seen_before"]}
+    body = {"model": MODEL, "prompt": "Flag:", "max_tokens": 32, "temperature": 0, "guided_json": schema}
+    counts = []
+    for _ in range(3):
+        assert _post(server, "/v1/completions", body).status_code == 200
+        metrics = server.wait_idle(timeout=60)
+        counts.append(metrics["flexpage_grammar_compiles_total"])
+    assert counts[0] >= 1 and counts[0] == counts[1] == counts[2]  # compiled once, by the first request
+
+
 def test_an_unknown_field_is_accepted_and_an_ignorable_one_changes_nothing(server: ServerProcess) -> None:
     base = {"model": MODEL, "prompt": "The sky is", "max_tokens": 6, "temperature": 0}
     plain = _post(server, "/v1/completions", base).json()["choices"][0]["text"]
