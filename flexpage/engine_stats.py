@@ -31,6 +31,8 @@ def engine_stats(engine: LLMEngine) -> dict[str, float]:
         "kv_evicted_tokens": blocks.evicted_budget_blocks * engine.config.block_size,
         # a token takes a slot in every layer group (sliding groups give theirs back later)
         "kv_capacity_tokens": (blocks.total - 1) * engine.config.block_size // len(engine.layer_groups),
+        "grammar_compiles": engine.grammars.misses,
+        "grammar_cache_hits": engine.grammars.hits,
         **tier_stats(engine),
         **engine.counters,
     }

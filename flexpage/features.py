@@ -92,7 +92,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("swap_preemption", "preemption_mode", "preemption_mode='swap'", lambda c: c.preemption_mode == "swap"),
     Feature("transformers_impl", "model_impl", "model_impl='transformers'",
             lambda c: c.model_impl == "transformers"),
-    # to come: speculative decoding, grammars (structured outputs), beam search
+    # to come: speculative decoding, beam search. Structured outputs (a request's grammar) are no
+    # feature here: they refuse no option, and tests/test_feature_pairs.py runs them in every engine
 )
 _BY_NAME = {feature.name: feature for feature in FEATURES}
 _ORDER = {feature.name: i for i, feature in enumerate(FEATURES)}

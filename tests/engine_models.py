@@ -196,6 +196,35 @@ def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int, *, stop_at
 
 
 @torch.no_grad()
+def hf_constrained_greedy(model: Any, tokenizer: Any, prompt_ids: list[int], schema: dict, max_new_tokens: int
+                          ) -> list[int]:
+    """Tokens HF's argmax appends to one prompt under a JSON schema: a second implementation of
+    flexpage's structured outputs (llguidance's matcher driven directly, its mask applied with
+    ``masked_fill``), ending at EOS, where the grammar stops or at ``max_new_tokens``."""
+    import json
+
+    import llguidance
+    import llguidance.hf
+
+    from flexpage.structured.llguidance_backend import JSON_DEFAULTS
+
+    lltokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=model.config.vocab_size, eos_token=[EOS_ID])
+    matcher = llguidance.LLMatcher(lltokenizer, llguidance.LLMatcher.grammar_from_json_schema(
+        json.dumps(schema), defaults=JSON_DEFAULTS))
+    ids, out = list(prompt_ids), []
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        allowed = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8)[: logits.shape[0]] > 0
+        token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
+        assert matcher.consume_token(token), matcher.get_error()
+        out.append(token)
+        ids.append(token)
+        if token == EOS_ID or matcher.is_stopped():
+            break
+    return out
+
+
+@torch.no_grad()
 def hf_logprobs(model: Any, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
     """``log_softmax`` of HF's logits at every position that predicted an output token: ``[len(output), V]``."""
     ids = torch.tensor([prompt_ids + output_ids])

@@ -11,6 +11,9 @@
   quantised weights). Each feature's own effect is asserted too (preemptions, spilled
   blocks, evicted blocks, blocks computed from, the compiled step run ...), so a pair
   cannot pass with one side silently off; a fallback pair asserts the fallback.
+* Structured outputs (a request option with no refused pair) run in every engine: a third
+  round of requests under a JSON schema must give the tokens of a second implementation (HF's
+  argmax under llguidance's mask, ``hf_constrained_greedy``).
 * Under a KV budget that evicts (the 60-token prompt against 64 tokens), HF's full-context
   tokens are not the answer: that request must equal the same model's budget-only engine,
   which ``test_kv_budget.py`` checks against HF's forward over the kept tokens.
@@ -33,8 +36,8 @@ import pathlib
 import pytest
 import torch
 
-from engine_models import hf_greedy, load_reference, random_prompts
-from flexpage import LLM, SamplingParams
+from engine_models import hf_constrained_greedy, hf_greedy, load_reference, random_prompts
+from flexpage import LLM, SamplingParams, StructuredOutputsParams
 from flexpage.config import EngineConfig
 from flexpage.features import (FALLBACKS, FEATURES, INCOMPATIBLE, UnsupportedCombination, active_features,
                                check_request, refusal)
@@ -71,6 +74,11 @@ ROUND_2 = [ROUND_1[2] + [11, 12, 13], ROUND_1[5][:16] + [5, 6, 7]]  # cached pre
 NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 EVICTING = [3]  # ROUND_1 indices whose context outgrows BUDGET
+ROUND_3 = [ROUND_1[0] + [21, 22], ROUND_1[4]]  # under a JSON schema
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "kind": {"enum": ["a", "bc"]}},
+          "required": ["ok", "kind"], "additionalProperties": False}
+CONSTRAINED = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                             structured_outputs=StructuredOutputsParams(json=SCHEMA))
 
 
 def test_the_table_names_only_features_and_pairs_of_different_options():
@@ -193,9 +201,13 @@ def models(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def expected(models):
-    """HF's greedy tokens for ROUND_1 + ROUND_2, by weights: ``"llama"``, ``"int8"``, ``"gguf"``."""
+def expected(models, default_model_path):
+    """HF's greedy tokens for ROUND_1 + ROUND_2 (then ROUND_3's under SCHEMA), by weights:
+    ``"llama"``, ``"int8"``, ``"gguf"``."""
     from flexpage.model.int8_weights import int8_blocks
+    from flexpage.model.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path)
 
     cache: dict[str, list[list[int]]] = {}
 
@@ -204,7 +216,8 @@ def expected(models):
             reference = load_reference(models["gguf_folder" if weights == "gguf" else "llama"])
             if weights == "int8":
                 int8_blocks(reference)
-            cache[weights] = [hf_greedy(reference, p, NEW_TOKENS, stop_at_eos=False) for p in ROUND_1 + ROUND_2]
+            cache[weights] = [hf_greedy(reference, p, NEW_TOKENS, stop_at_eos=False) for p in ROUND_1 + ROUND_2] + [
+                hf_constrained_greedy(reference, tokenizer, p, SCHEMA, NEW_TOKENS) for p in ROUND_3]
         return cache[weights]
 
     return get
@@ -213,7 +226,8 @@ def expected(models):
 def _run(llm: LLM) -> tuple[list[list[int]], list]:
     first = llm.generate([{"prompt_token_ids": p} for p in ROUND_1], GREEDY)
     second = llm.generate([{"prompt_token_ids": p} for p in ROUND_2], GREEDY)
-    return [o.outputs[0].token_ids for o in first + second], first + second
+    third = llm.generate([{"prompt_token_ids": p} for p in ROUND_3], CONSTRAINED)
+    return [o.outputs[0].token_ids for o in first + second + third], first + second + third
 
 
 @pytest.fixture(scope="module")

@@ -612,6 +612,118 @@ def test_the_kv_view_accounts_for_every_block(server: ServerProcess) -> None:
     assert wrong.returncode == 1 and "HTTP 401" in wrong.stderr
 
 
+# -- structured outputs ----------------------------------------------------------------------------
+class Person(BaseModel):
+    model_config = {"extra": "forbid"}
+    name: str = PydanticField(max_length=12)
+    age: int = PydanticField(ge=0, le=120)
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "sunny": {"type": "boolean"}},
+        "required": ["city", "sunny"], "additionalProperties": False}
+
+
+def test_the_openai_clients_parse_gets_an_object_of_the_pydantic_model(server: ServerProcess) -> None:
+    client = server.openai()
+    completion = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Invent a person."}], response_format=Person,
+        max_tokens=64, temperature=0.7, seed=3, n=2)
+    assert len(completion.choices) == 2
+    for choice in completion.choices:
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, Person)
+
+
+def test_streamed_json_schema_chunks_join_into_valid_json(server: ServerProcess) -> None:
+    import jsonschema
+
+    stream = server.openai().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in a city?"}], stream=True, n=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": CITY, "strict": True}},
+        max_tokens=64, temperature=0.9, seed=5)
+    texts, finishes = ["", ""], [None, None]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert finishes == ["stop", "stop"]
+    for text in texts:
+        jsonschema.validate(json.loads(text), CITY)
+
+
+@pytest.mark.parametrize(("field", "value", "check"), [
+    ("structured_outputs", {"regex": r"\d{3}-[a-z]{2}"}, lambda t: __import__("re").fullmatch(r"\d{3}-[a-z]{2}", t)),
+    ("structured_outputs", {"choice": ["red", "green"]}, lambda t: t in ("red", "green")),
+    ("guided_choice", ["left", "right"], lambda t: t in ("left", "right")),
+    ("guided_json", CITY, lambda t: json.loads(t)["city"] is not None),
+])
+def test_completions_follow_each_spelling_of_a_constraint(server: ServerProcess, field: str, value: Any,
+                                                          check: Any) -> None:
+    response = _post(server, "/v1/completions", {"model": MODEL, "prompt": "Answer:", "max_tokens": 64,
+                                                 "temperature": 0.8, "seed": 1, "n": 2, field: value})
+    assert response.status_code == 200, response.text
+    for choice in response.json()["choices"]:
+        assert choice["finish_reason"] == "stop" and check(choice["text"]), choice
+
+
+def test_a_json_object_response_format_gives_an_object(server: ServerProcess) -> None:
+    response = _post(server, "/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 200, "temperature": 0, "response_format": {"type": "json_object"},
+        "messages": [{"role": "user", "content": 'Reply with the JSON object {"answer": 42} and nothing else.'}]})
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    assert isinstance(json.loads(choice["message"]["content"]), dict)
+
+
+@pytest.mark.parametrize(("extra", "param", "fragment"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "response_format.json_schema.schema", "objectx"),
+    ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex", "unclosed group"),
+    ({"guided_grammar": "root ::= nothing"}, "guided_grammar", "nothing"),
+    ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"jsonn": {}}}, "structured_outputs.jsonn", None),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "one output constraint"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "required"),
+    ({"functions": [{"name": "f"}]}, "functions", "use tools"),
+    ({"structural_tag": "{}"}, "structural_tag", "not supported"),
+])
+def test_a_bad_or_conflicting_constraint_is_a_400_naming_the_field(server: ServerProcess, extra: dict, param: str,
+                                                                    fragment: str | None) -> None:
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/completions", {"prompt": "hi"})):
+        error = _assert_error(_post(server, path, {"model": MODEL, "max_tokens": 4, **body, **extra}), 400,
+                              param=param)
+        assert fragment is None or fragment in error["message"], error
+
+
+def test_a_schema_seen_before_is_not_compiled_again(server: ServerProcess) -> None:
+    schema = {"type": "object", "properties": {"seen_before": {"type": "boolean"}}, "required": ["seen_before"]}
+    body = {"model": MODEL, "prompt": "Flag:", "max_tokens": 32, "temperature": 0, "guided_json": schema}
+    counts = []
+    for _ in range(3):
+        assert _post(server, "/v1/completions", body).status_code == 200
+        metrics = server.wait_idle(timeout=60)
+        counts.append(metrics["flexpage_grammar_compiles_total"])
+    assert counts[0] >= 1 and counts[0] == counts[1] == counts[2]  # compiled once, by the first request
+
+
+def test_an_unknown_field_is_accepted_and_an_ignorable_one_changes_nothing(server: ServerProcess) -> None:
+    base = {"model": MODEL, "prompt": "The sky is", "max_tokens": 6, "temperature": 0}
+    plain = _post(server, "/v1/completions", base).json()["choices"][0]["text"]
+    for extra in ({"store": True, "metadata": {"a": "b"}}, {"some_future_field": 1}):
+        response = _post(server, "/v1/completions", {**base, **extra})
+        assert response.status_code == 200 and response.json()["choices"][0]["text"] == plain
+
+
+def test_a_constraint_cut_by_max_tokens_ends_with_length_and_the_partial_text(server: ServerProcess) -> None:
+    response = _post(server, "/v1/completions", {"model": MODEL, "prompt": "Count:", "max_tokens": 3,
+                                                 "temperature": 0, "structured_outputs": {"regex": "(ab){30}"}})
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["text"]
+    assert __import__("re").fullmatch("(ab)*a?", choice["text"]), choice
+
+
 def test_metrics_after_everything(server: ServerProcess) -> None:
     metrics = server.wait_idle(timeout=60)
     total = metrics["flexpage_kv_blocks_total"]
@@ -750,104 +862,3 @@ def test_a_stream_cut_by_the_drain_timeout_ends_as_aborted(tiny_model: Any, chat
     assert error["error"]["code"] == "shutting_down" and error["error"]["type"] == "service_unavailable", error
     assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
-
-
-# -- structured outputs ----------------------------------------------------------------------------
-class Person(BaseModel):
-    model_config = {"extra": "forbid"}
-    name: str = PydanticField(max_length=12)
-    age: int = PydanticField(ge=0, le=120)
-
-
-CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                         "sunny": {"type": "boolean"}},
-        "required": ["city", "sunny"], "additionalProperties": False}
-
-
-def test_the_openai_clients_parse_gets_an_object_of_the_pydantic_model(server: ServerProcess) -> None:
-    client = server.openai()
-    completion = client.chat.completions.parse(
-        model=MODEL, messages=[{"role": "user", "content": "Invent a person."}], response_format=Person,
-        max_tokens=64, temperature=0.7, seed=3, n=2)
-    assert len(completion.choices) == 2
-    for choice in completion.choices:
-        assert choice.finish_reason == "stop"
-        assert isinstance(choice.message.parsed, Person)
-
-
-def test_streamed_json_schema_chunks_join_into_valid_json(server: ServerProcess) -> None:
-    import jsonschema
-
-    stream = server.openai().chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Weather in a city?"}], stream=True, n=2,
-        response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": CITY, "strict": True}},
-        max_tokens=64, temperature=0.9, seed=5)
-    texts, finishes = ["", ""], [None, None]
-    for chunk in stream:
-        for choice in chunk.choices:
-            texts[choice.index] += choice.delta.content or ""
-            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
-    assert finishes == ["stop", "stop"]
-    for text in texts:
-        jsonschema.validate(json.loads(text), CITY)
-
-
-@pytest.mark.parametrize(("field", "value", "check"), [
-    ("structured_outputs", {"regex": r"\d{3}-[a-z]{2}"}, lambda t: __import__("re").fullmatch(r"\d{3}-[a-z]{2}", t)),
-    ("structured_outputs", {"choice": ["red", "green"]}, lambda t: t in ("red", "green")),
-    ("guided_choice", ["left", "right"], lambda t: t in ("left", "right")),
-    ("guided_json", CITY, lambda t: json.loads(t)["city"] is not None),
-])
-def test_completions_follow_each_spelling_of_a_constraint(server: ServerProcess, field: str, value: Any,
-                                                          check: Any) -> None:
-    response = _post(server, "/v1/completions", {"model": MODEL, "prompt": "Answer:", "max_tokens": 64,
-                                                 "temperature": 0.8, "seed": 1, "n": 2, field: value})
-    assert response.status_code == 200, response.text
-    for choice in response.json()["choices"]:
-        assert choice["finish_reason"] == "stop" and check(choice["text"]), choice
-
-
-def test_a_json_object_response_format_gives_an_object(server: ServerProcess) -> None:
-    response = _post(server, "/v1/chat/completions", {
-        "model": MODEL, "max_tokens": 200, "temperature": 0, "response_format": {"type": "json_object"},
-        "messages": [{"role": "user", "content": 'Reply with the JSON object {"answer": 42} and nothing else.'}]})
-    choice = response.json()["choices"][0]
-    assert choice["finish_reason"] == "stop", choice
-    assert isinstance(json.loads(choice["message"]["content"]), dict)
-
-
-@pytest.mark.parametrize(("extra", "param", "fragment"), [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
-     "response_format.json_schema.schema", "objectx"),
-    ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex", "unclosed group"),
-    ({"guided_grammar": "root ::= nothing"}, "guided_grammar", "nothing"),
-    ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs", "exactly one"),
-    ({"structured_outputs": {"jsonn": {}}}, "structured_outputs.jsonn", None),
-    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "one output constraint"),
-    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "required"),
-    ({"functions": [{"name": "f"}]}, "functions", "use tools"),
-    ({"structural_tag": "{}"}, "structural_tag", "not supported"),
-])
-def test_a_bad_or_conflicting_constraint_is_a_400_naming_the_field(server: ServerProcess, extra: dict, param: str,
-                                                                    fragment: str | None) -> None:
-    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
-                       ("/v1/completions", {"prompt": "hi"})):
-        error = _assert_error(_post(server, path, {"model": MODEL, "max_tokens": 4, **body, **extra}), 400,
-                              param=param)
-        assert fragment is None or fragment in error["message"], error
-
-
-def test_an_unknown_field_is_accepted_and_an_ignorable_one_changes_nothing(server: ServerProcess) -> None:
-    base = {"model": MODEL, "prompt": "The sky is", "max_tokens": 6, "temperature": 0}
-    plain = _post(server, "/v1/completions", base).json()["choices"][0]["text"]
-    for extra in ({"store": True, "metadata": {"a": "b"}}, {"some_future_field": 1}):
-        response = _post(server, "/v1/completions", {**base, **extra})
-        assert response.status_code == 200 and response.json()["choices"][0]["text"] == plain
-
-
-def test_a_constraint_cut_by_max_tokens_ends_with_length_and_the_partial_text(server: ServerProcess) -> None:
-    response = _post(server, "/v1/completions", {"model": MODEL, "prompt": "Count:", "max_tokens": 3,
-                                                 "temperature": 0, "structured_outputs": {"regex": "(ab){30}"}})
-    choice = response.json()["choices"][0]
-    assert choice["finish_reason"] == "length" and choice["text"]
-    assert __import__("re").fullmatch("(ab)*a?", choice["text"]), choice

@@ -14,17 +14,15 @@ import re
 import threading
 
 import jsonschema
-import llguidance
-import llguidance.hf
 import pytest
 import torch
 
-from engine_models import load_reference, random_prompts
+from engine_models import hf_constrained_greedy, load_reference, random_prompts
 from flexpage import SamplingParams, StructuredOutputsParams
 from flexpage.errors import InvalidParameter
 from flexpage.structured.bitmask import apply_bitmask
 from flexpage.structured.compiler import GrammarCompiler
-from flexpage.structured.llguidance_backend import JSON_DEFAULTS, LLGuidanceBackend
+from flexpage.structured.llguidance_backend import LLGuidanceBackend
 
 PERSON = {
     "type": "object",
@@ -170,31 +168,12 @@ def test_every_sample_of_a_random_model_matches_its_constraint(kind, llama, llm_
         assert matches(kind, sample.text), sample.text
 
 
-def _reference_greedy(model, tokenizer, prompt: list[int], spec: StructuredOutputsParams, max_tokens: int) -> list[int]:
-    """HF's logits, llguidance's mask applied with ``masked_fill``, argmax, until the grammar stops."""
-    lltokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=model.config.vocab_size, eos_token=[2])
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(spec.json), defaults=JSON_DEFAULTS)
-    matcher = llguidance.LLMatcher(lltokenizer, grammar)
-    ids, out = list(prompt), []
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            logits = model(torch.tensor([ids])).logits[0, -1].float()
-            mask = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8)[: logits.shape[0]] > 0
-            token = int(logits.masked_fill(~mask, float("-inf")).argmax())
-            assert matcher.consume_token(token)
-            out.append(token)
-            ids.append(token)
-            if token == 2 or matcher.is_stopped():
-                break
-    return out
-
-
 def test_greedy_constrained_tokens_equal_a_second_implementation(llama, llm_factory, default_model_path):
     from flexpage.model.loader import load_tokenizer
 
     spec = CONSTRAINTS["json"]
     model, tokenizer = load_reference(llama), load_tokenizer(default_model_path)
-    expected = [_reference_greedy(model, tokenizer, p, spec, MAX_TOKENS) for p in PROMPTS]
+    expected = [hf_constrained_greedy(model, tokenizer, p, spec.json, MAX_TOKENS) for p in PROMPTS]
     outputs = llm_factory(llama).generate([{"prompt_token_ids": p} for p in PROMPTS],
                                           SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                                                          structured_outputs=spec))

@@ -64,6 +64,9 @@ _COUNTERS = {
                                                           "same blocks (spilled again if the pool evicts them)."),
     "flexpage_kv_hole_recomputed_tokens": ("kv_hole_recomputed_tokens", "Tokens recomputed in front of blocks "
                                                                         "restored behind a dropped head."),
+    "flexpage_grammar_compiles": ("grammar_compiles", "Output constraints (schemas, regexes, grammars) compiled "
+                                                      "for the first time."),
+    "flexpage_grammar_cache_hits": ("grammar_cache_hits", "Output constraints found compiled already."),
     "flexpage_conversation_turns": ("conversation_turns", "Finished turns of requests that named a conversation."),
     "flexpage_conversation_history_tokens": ("conversation_history_tokens", "Tokens of earlier turns that later "
                                                                             "turns carried in their prompts."),
