@@ -320,7 +320,7 @@ def server(default_model_path: Any) -> Any:
 
 
 def _post(server: ServerProcess, body: dict) -> httpx.Response:
-    return httpx.post(server.base_url + "/v1/chat/completions", json={"model": MODEL, **body}, timeout=120)
+    return httpx.post(server.base_url + "/v1/chat/completions", json={"model": MODEL, **body}, timeout=300)
 
 
 def _check_shape(model: str, body: dict) -> None:
@@ -383,6 +383,11 @@ def test_a_named_function_streamed_and_not(server: ServerProcess) -> None:
         final = events.get_final_completion()
     call = final.choices[0].message.tool_calls[0]
     assert call.function.parsed_arguments == json.loads(plain.choices[0].message.tool_calls[0].function.arguments)
+    # the second turn as clients write it: the response's own message object, then the result
+    message = plain.choices[0].message
+    turn = [*ASK, message, {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "18 C"}]
+    second = client.chat.completions.create(model=MODEL, messages=turn, tools=TOOLS, temperature=0, max_tokens=8)
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 @pytest.mark.slow

@@ -228,7 +228,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = None
     tools: Optional[list[ToolDefinition]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None  # None: "auto" with tools
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: Optional[bool] = None  # None: true (OpenAI's default)
     add_generation_prompt: bool = True
 
 

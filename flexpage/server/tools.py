@@ -128,12 +128,13 @@ def tool_request(req: ChatCompletionRequest) -> ToolRequest | None:
         if params is not None and params.get("type", "object") != "object":
             raise _error(f"tools.{i}.function.parameters", f"expected a JSON schema of an object (the arguments), "
                                                            f"got type {params.get('type')!r}")
+    parallel = req.parallel_tool_calls is not False
     if named is not None:
         if named.function.name not in seen:
             raise _error("tool_choice", f"function {named.function.name[:80]!r} is not among the tools "
                                         f"({', '.join(seen)})")
-        return ToolRequest(tuple(req.tools), "function", named.function.name, req.parallel_tool_calls)
-    return ToolRequest(tuple(req.tools), req.tool_choice or "auto", None, req.parallel_tool_calls)
+        return ToolRequest(tuple(req.tools), "function", named.function.name, parallel)
+    return ToolRequest(tuple(req.tools), req.tool_choice or "auto", None, parallel)
 
 
 def _choice_text(choice: Any) -> str:
