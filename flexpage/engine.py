@@ -228,7 +228,7 @@ class LLMEngine:
         rows, grammars = self._sample_rows(sampled)
         plan = StepPlan(kv_ops=sched.kv_ops, inputs=step_inputs(sched.scheduled, self.block_manager.block_tables),
                         samples=rows, scores=sched.scores)
-        if any(grammars):
+        if any(grammar is not None for grammar in grammars):
             plan.constrained = [i for i, grammar in enumerate(grammars) if grammar is not None]
             plan.token_bitmask = self.grammars.bitmask([grammars[i] for i in plan.constrained])
         result = self.executor.execute(plan)
