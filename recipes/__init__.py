@@ -18,7 +18,9 @@ from flexpage.recipes.prefix_lm import prefix_lm
 from flexpage.recipes.sliding_window import sliding_window
 from flexpage.recipes.softcap import softcap
 from flexpage.recipes.streaming_llm import streaming_llm
+from flexpage.recipes.tree_verification import tree_verification
 from flexpage.attention.recipe import compose
 
 __all__ = ["alibi", "attention_sinks", "causal", "chunked_local", "compose", "document_mask", "key_norm",
-           "no_eviction", "paged_eviction", "prefix_lm", "sliding_window", "softcap", "streaming_llm"]
+           "no_eviction", "paged_eviction", "prefix_lm", "sliding_window", "softcap", "streaming_llm",
+           "tree_verification"]
