@@ -1,9 +1,9 @@
 """The llguidance backend (https://github.com/guidance-ai/llguidance, used by vLLM and llama.cpp).
 
-Compiling is cheap (0.8-1.5 ms for a nested schema on SmolLM2's 49,152-token vocabulary):
-llguidance builds its lexer lazily while it matches, so a grammar here is the validated
-grammar text, and each matcher parses it (the compiler caches these grammars by constraint).
-Masks cost 20-40 us per row; a batch fills on llguidance's own thread pool.
+Compiling is cheap (about 1-3 ms for the nested schemas of bench/structured.py on SmolLM2's
+49,152-token vocabulary: validating the grammar, then parsing it into a matcher at its start);
+llguidance builds its lexer lazily while it matches. Each sample's matcher is a copy of that
+start (~1 us). Masks cost 20-130 us per row; a batch fills on llguidance's own thread pool.
 
 JSON is generated with fixed separators (``", "``, ``": "``) and no free whitespace: a small
 model given free whitespace can emit newlines until ``max_tokens``, and the output never
@@ -53,14 +53,17 @@ class _Matcher:
 
 
 class _Grammar:
-    __slots__ = ("tokenizer", "text")
+    """A validated grammar and a matcher at its start, copied for each sample: parsing the
+    grammar into a matcher costs 0.5-1.7 ms for the schemas of bench/structured.py, a copy ~1 us."""
+
+    __slots__ = ("text", "_start")
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, text: str) -> None:
-        self.tokenizer = tokenizer
         self.text = text
+        self._start = llguidance.LLMatcher(tokenizer, text)
 
     def matcher(self) -> _Matcher:
-        return _Matcher(llguidance.LLMatcher(self.tokenizer, self.text))
+        return _Matcher(self._start.deep_copy())
 
 
 class LLGuidanceBackend:
