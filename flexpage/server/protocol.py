@@ -252,6 +252,7 @@ IGNORED_FIELDS = frozenset({"store", "metadata", "service_tier", "reasoning_effo
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
+_MAX_WARNED = 256
 
 
 def unsupported_fields(req: _SamplingFields) -> None:
@@ -260,7 +261,8 @@ def unsupported_fields(req: _SamplingFields) -> None:
     for name, value in (req.model_extra or {}).items():
         if name in REFUSED_FIELDS and value is not None:
             raise APIError(400, f"{name} is not supported ({REFUSED_FIELDS[name]})", param=name, code="unsupported")
-        if name not in IGNORED_FIELDS and name not in REFUSED_FIELDS and name not in _warned:
+        if name not in IGNORED_FIELDS and name not in REFUSED_FIELDS and name not in _warned \
+                and len(_warned) < _MAX_WARNED:  # bounded: clients choose the names
             _warned.add(name)
             log.warning("request field %r is not known to this server and was ignored", name)
     if req.logit_bias:
