@@ -116,7 +116,7 @@ class StructuredOutputsField(_Base):
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    json: Optional[Union[dict[str, Any], str]] = None
+    json_: Optional[Union[dict[str, Any], str]] = Field(default=None, alias="json")  # BaseModel has .json()
     json_object: Optional[bool] = None
     regex: Optional[str] = None
     choice: Optional[list[str]] = None

@@ -53,7 +53,7 @@ def requested_constraint(req: Any) -> Constraint | None:
         schema = fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {}
         found.append(("response_format.json_schema.schema", {"json": schema}))
     if req.structured_outputs is not None:
-        fields = req.structured_outputs.model_dump(exclude_none=True)
+        fields = req.structured_outputs.model_dump(exclude_none=True, by_alias=True)
         if not fields.get("json_object"):
             fields.pop("json_object", None)
         kinds = list(fields) or ["structured_outputs"]
