@@ -129,6 +129,10 @@ class EngineConfig:
     # the model's weights only; "int8": any Llama-family model's projections and LM head
     # quantised to int8 per output channel (flexpage.model.int8_weights), computed by the same kernel
     quantization: str = "auto"
+    # speculative decoding (vLLM's speculative_config: a dict, its JSON text, or a
+    # SpeculativeConfig; stored parsed): {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_max": n, "prompt_lookup_min": m}; None: one token per step. docs/speculative.md
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "attention_block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -168,6 +172,7 @@ class EngineConfig:
             raise ValueError(f"kv_tier_policy: got {self.kv_tier_policy!r}, expected one of {TIER_POLICIES}")
         self._check_kv_layout()
         self._check_tensor_parallel()
+        self._check_speculative()
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: got {self.quantization!r}, expected one of {QUANTIZATIONS}")
         if self.preemption_mode not in ("recompute", "swap"):
@@ -188,6 +193,23 @@ class EngineConfig:
                                  "kv_cache_memory)")
             if parse_size(self.kv_resident_bytes, "kv_resident_bytes") <= 0:
                 raise ValueError(f"kv_resident_bytes: got {self.kv_resident_bytes!r}, expected a positive size")
+
+    def _check_speculative(self) -> None:
+        from flexpage.speculative.config import SpeculativeConfig
+
+        spec = self.speculative_config
+        if spec is None or isinstance(spec, SpeculativeConfig):
+            pass
+        elif isinstance(spec, str):
+            spec = SpeculativeConfig.from_json(spec)
+        else:
+            spec = SpeculativeConfig.from_dict(spec)
+        if spec is not None and spec.method != "ngram":
+            raise ValueError(f"speculative_config: method {spec.method!r} is not run by the engine yet; use 'ngram'")
+        if spec is not None and spec.max_branches != 1:
+            raise ValueError(f"speculative_config: max_branches={spec.max_branches}, but the engine verifies one "
+                             f"chain per sequence so far; use 1")
+        self.speculative_config = spec
 
     def _check_tensor_parallel(self) -> None:
         size = self.tensor_parallel_size

@@ -40,6 +40,7 @@ from flexpage.model.sampler import TokenHistory, make_generator
 from flexpage.output_processor import OutputProcessor, Request
 from flexpage.outputs import RequestOutput
 from flexpage.sampling_params import SamplingParams
+from flexpage.speculative.speculator import Speculator
 from flexpage.structured.backend import GrammarMatcher
 from flexpage.structured.compiler import GrammarCompiler
 from flexpage.structured.llguidance_backend import LLGuidanceBackend
@@ -92,6 +93,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         #: compiled grammars of structured outputs, by constraint (thread-safe: a server compiles in its threads)
         self.grammars = GrammarCompiler(lambda: LLGuidanceBackend(self.tokenizer, self.vocab_size, self.eos_token_ids))
+        #: speculative decoding's proposals (None: one token per step)
+        self.speculator = (Speculator(config.speculative_config, self.max_model_len)
+                           if config.speculative_config is not None else None)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -198,6 +202,8 @@ class LLMEngine:
         ``error`` set; the rest of the step completes: when the batched forward pass fails,
         each sequence is run again on its own, so the one that fails alone is found.
         """
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         touched: dict[str, Request] = {}
         for seq in sched.finished:  # the scheduler gave up on a sequence that outgrew the pool
@@ -224,8 +230,9 @@ class LLMEngine:
 
     def _run(self, sched: SchedulerOutput, touched: dict[str, Request]) -> None:
         """Plan, execute and apply one step (or one retried row of a failed one)."""
-        sampled = [item.seq for item in sched.scheduled if item.sample]
-        rows, grammars = self._sample_rows(sampled)
+        sampled_items = [item for item in sched.scheduled if item.sample]
+        sampled = [item.seq for item in sampled_items]
+        rows, grammars = self._sample_rows(sampled_items)
         plan = StepPlan(kv_ops=sched.kv_ops, inputs=step_inputs(sched.scheduled, self.block_manager.block_tables),
                         samples=rows, scores=sched.scores)
         if any(grammar is not None for grammar in grammars):
@@ -238,24 +245,29 @@ class LLMEngine:
                 self.block_manager.record_block_scores(seq, dict(zip(request.blocks, scores)))
         self.scheduler.mark_computed(sched)  # sequences over their KV budget evict blocks here
         if sampled:
-            self._apply_samples(sampled, result, touched)
+            self._apply_samples(sampled, plan.samples, result, touched)
 
-    def _sample_rows(self, sampled: list[Sequence]) -> tuple[list[SampleRow], list[GrammarMatcher | None]]:
+    def _sample_rows(self, sampled: list[ScheduledSequence]) -> tuple[list[SampleRow], list[GrammarMatcher | None]]:
         """One row per sample to draw, and its grammar matcher (None: free text): a sequence
         whose prompt was just computed draws for all ``n`` samples of its request from its
-        logits row (the siblings fork after the step)."""
+        logits row (the siblings fork after the step); a sequence verifying proposals has
+        one logits row more per proposal."""
         rows, grammars = [], []
-        for row, seq in enumerate(sampled):
+        logits_row = 0
+        for item in sampled:
+            seq = item.seq
             request: Request = seq.request
             first = request.seqs.index(seq)
             forks = self.scheduler.forks_due(seq)
             history = TokenHistory(seq.prompt_token_ids, seq.output_token_ids)
             for sample in [first, *range(len(request.seqs), len(request.seqs) + forks)]:
-                rows.append(SampleRow(row, request.params, history, request.generators[sample]))
+                rows.append(SampleRow(logits_row, request.params, history, request.generators[sample], item.drafts))
                 grammars.append(request.grammars[sample] if request.grammars else None)
+            logits_row += 1 + len(item.drafts)
         return rows, grammars
 
-    def _apply_samples(self, sampled: list[Sequence], result: StepResult, touched: dict[str, Request]) -> None:
+    def _apply_samples(self, sampled: list[Sequence], rows: list[SampleRow], result: StepResult,
+                       touched: dict[str, Request]) -> None:
         forked = self.scheduler.fork_parallel_samples(sampled, lambda: next(self._seq_ids))
         for i, (_, seq) in enumerate(forked):  # in the order of the plan's sample rows
             request: Request = seq.request
@@ -275,8 +287,16 @@ class LLMEngine:
                     if status is not None:
                         self._finish(seq, status, touched)
                         break
+                if rows[i].drafts:
+                    self._accept_drafts(seq, len(rows[i].drafts), len(result.token_ids[i]) - 1)
             except Exception as error:
                 self._fail(request, error, touched)
+
+    def _accept_drafts(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """After a verification: the accepted proposals' KV counts as computed, the rest rolls back."""
+        self.scheduler.accept_drafts(seq, num_accepted)
+        if self.speculator is not None:
+            self.speculator.verified(seq, num_drafts, num_accepted)
 
     def _run_alone(self, item: ScheduledSequence, touched: dict[str, Request]) -> None:
         """Run one scheduled sequence of a step whose batched forward pass failed (its KV

@@ -13,6 +13,7 @@ __all__ = ["engine_stats", "kv_utilization", "tier_stats"]
 def engine_stats(engine: LLMEngine) -> dict[str, float]:
     """Counters the CLI summary and the server's /metrics export."""
     blocks = engine.block_manager.stats()
+    spec = engine.speculator
     return {
         "num_requests_running": len(engine.scheduler.running),
         "num_requests_waiting": len(engine.scheduler.waiting) + len(engine.scheduler.swapped),
@@ -33,6 +34,10 @@ def engine_stats(engine: LLMEngine) -> dict[str, float]:
         "kv_capacity_tokens": (blocks.total - 1) * engine.config.block_size // len(engine.layer_groups),
         "grammar_compiles": engine.grammars.misses,
         "grammar_cache_hits": engine.grammars.hits,
+        # speculative decoding (vLLM's spec_decode counters): proposed tokens verified, accepted
+        "spec_decode_num_draft_tokens": spec.num_draft_tokens if spec else 0,
+        "spec_decode_num_accepted_tokens": spec.num_accepted_tokens if spec else 0,
+        "spec_decode_num_drafts": spec.num_verifications if spec else 0,
         **tier_stats(engine),
         **engine.counters,
     }

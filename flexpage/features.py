@@ -92,7 +92,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("swap_preemption", "preemption_mode", "preemption_mode='swap'", lambda c: c.preemption_mode == "swap"),
     Feature("transformers_impl", "model_impl", "model_impl='transformers'",
             lambda c: c.model_impl == "transformers"),
-    # to come: speculative decoding, beam search. Structured outputs (a request's grammar) are no
+    Feature("speculative", "speculative_config", "speculative_config", lambda c: c.speculative_config is not None),
+    # to come: beam search. Structured outputs (a request's grammar) are no
     # feature here: they refuse no option, and tests/test_feature_pairs.py runs them in every engine
 )
 _BY_NAME = {feature.name: feature for feature in FEATURES}
@@ -125,6 +126,8 @@ INCOMPATIBLE: dict[frozenset[str], str] = _pairs({
     ("tensor_parallel", "transformers_impl"): "ranks shard the compact forward (Llama, Mistral, Qwen2, Qwen3), "
                                               "not HF's modules",
     ("int8", "tensor_parallel", "deterministic", "transformers_impl"): _INT8,
+    ("speculative", "kv_budget"): "a budget scores and evicts blocks as they fill, and a verification step fills "
+                                  "blocks with proposed tokens that may be rolled back",
 })
 
 #: pairs that work with the first feature stepping aside -> why

@@ -91,6 +91,9 @@ class SamplingParams:
             checks it against its block size (a multiple, at least 3 blocks).
         structured_outputs: the output must match this JSON schema, regex, choice or grammar
             (:class:`~flexpage.structured.StructuredOutputsParams`); ``None``: free text.
+        num_speculative_tokens: with an engine that speculates (``speculative_config``), the
+            most tokens proposed per step for this request (0: none, decode one token a step);
+            ``None``: the engine's. The tokens are the same either way.
     """
 
     n: int = 1
@@ -111,6 +114,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     kv_budget: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.n = _require_int("n", self.n)
@@ -170,6 +174,12 @@ class SamplingParams:
             self.kv_budget = _require_int("kv_budget", self.kv_budget)
             if self.kv_budget < 1:
                 raise InvalidParameter("kv_budget", f"kv_budget must be >= 1 or None, got {self.kv_budget!r}")
+
+        if self.num_speculative_tokens is not None:
+            self.num_speculative_tokens = _require_int("num_speculative_tokens", self.num_speculative_tokens)
+            if self.num_speculative_tokens < 0:
+                raise InvalidParameter("num_speculative_tokens", "num_speculative_tokens must be >= 0 or None, "
+                                       f"got {self.num_speculative_tokens!r}")
 
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise InvalidParameter("structured_outputs", "structured_outputs must be a StructuredOutputsParams or "

@@ -322,7 +322,8 @@ class BlockManager:
         return self.holes.reused_tokens(seq)
 
     # -- growth and copy-on-write --------------------------------------------------
-    def _blocks_to_append(self, seq: Sequence, num_new_tokens: int) -> int:
+    def blocks_to_append(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Pool blocks :meth:`append_slots` would take for ``num_new_tokens`` more positions."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if not self.block_table(seq):
@@ -332,7 +333,7 @@ class BlockManager:
         return sum(m.blocks_to_append(seq.seq_id, first, needed) for m in self.managers)
 
     def can_append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self._blocks_to_append(seq, num_new_tokens) <= self.pool.num_free_or_cached
+        return self.blocks_to_append(seq, num_new_tokens) <= self.pool.num_free_or_cached
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Make positions ``num_computed_tokens .. +num_new_tokens`` writable.
@@ -341,7 +342,7 @@ class BlockManager:
         block in that range that another sequence also references. Returns the
         ``(src, dst)`` device block copies (logged as ``COPY`` ops).
         """
-        if self._blocks_to_append(seq, num_new_tokens) > self.pool.num_free_or_cached:
+        if self.blocks_to_append(seq, num_new_tokens) > self.pool.num_free_or_cached:
             raise NoFreeBlocksError(f"not enough blocks to append {num_new_tokens} tokens to {seq.seq_id}")
         needed = _cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
         first = seq.num_computed_tokens // self.block_size
@@ -402,6 +403,14 @@ class BlockManager:
         if seq.kv_budget is not None and new_computed == seq.num_tokens:  # prompt done: only decodes from here
             self.budget.evict_over_budget(seq, tables, new_computed)
         return new_computed
+
+    def truncate(self, seq: Sequence, num_positions: int) -> None:
+        """Give back the blocks after the one holding position ``num_positions - 1``: slots
+        appended for proposed tokens that were rejected (never published: only
+        :meth:`mark_computed` publishes, and only what it is told was computed)."""
+        if self.block_table(seq):
+            for m in self.managers:
+                m.truncate(seq.seq_id, _cdiv(num_positions, self.block_size))
 
     # -- sharing and release -----------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -120,6 +120,14 @@ class GroupManager:
     def remove_skipped_blocks(self, seq_id: int, num_computed_tokens: int, evicted: Collection[int]) -> None:
         """Give back the leading blocks no query can see any more (none for full attention)."""
 
+    def truncate(self, seq_id: int, num_blocks: int) -> None:
+        """Give back the table's entries from ``num_blocks`` on (rolled-back positions), tail first."""
+        table = self.tables[seq_id]
+        while len(table) > num_blocks:
+            block_id = table.pop()
+            if block_id != NULL_BLOCK_ID:
+                self.pool.decref(block_id)
+
     # -- sharing, swapping, release ----------------------------------------------------------
     def fork(self, parent_id: int, child_id: int) -> None:
         """Let ``child_id`` share every block of ``parent_id``'s table."""

@@ -3,10 +3,11 @@
 Each :meth:`Scheduler.schedule` call plans one forward pass under a token
 budget. Order of service, so that in-flight work never starves:
 
-1. running sequences that are decoding (1 token each), oldest admission first;
-   when a block cannot be found for one, the most recently admitted running
-   sequence is preempted (recompute: drop its KV and requeue it; swap: copy its
-   KV to host memory) until it fits;
+1. running sequences that are decoding (1 token each, plus the tokens proposed for it to
+   verify -- speculative decoding -- where the budget and free blocks allow them without
+   preempting anything), oldest admission first; when a block cannot be found for one,
+   the most recently admitted running sequence is preempted (recompute: drop its KV and
+   requeue it; swap: copy its KV to host memory) until it fits;
 2. running sequences whose prefill is only partly done (chunked prefill);
 3. swapped-out sequences, back in arrival order;
 4. waiting sequences, in arrival order, while budget, ``max_num_seqs`` and free
@@ -25,8 +26,8 @@ prefill that is split into chunks never stalls half way for lack of blocks.
 
 The engine loop is: ``out = schedule()``; run ``out.kv_ops`` in order and the model
 over each scheduled slice; record ``out.scores``; ``mark_computed(out)``; append a
-sampled token to every sequence whose ``ScheduledSequence.sample`` is True; call
-``finish`` on those that stopped. KV operations decided after the plan (``mark_computed``
+sampled token to every sequence whose ``ScheduledSequence.sample`` is True (and, after a
+verification, ``accept_drafts``); call ``finish`` on those that stopped. KV operations decided after the plan (``mark_computed``
 packing kept pages, forks, frees) travel in the next step's plan.
 """
 
@@ -202,11 +203,39 @@ class Scheduler:
         return seq.samples_to_fork if seq.num_output_tokens == 0 else 0
 
     def mark_computed(self, output: SchedulerOutput) -> None:
-        """After the forward pass: advance every scheduled, still-live sequence."""
+        """After the forward pass: advance every scheduled, still-live sequence (over its known
+        tokens: proposed ones count once accepted, see :meth:`accept_drafts`)."""
         for item in output.scheduled:
             if item.seq.status is SequenceStatus.RUNNING:
-                item.seq.num_computed_tokens = self.block_manager.mark_computed(item.seq, item.num_new_tokens)
+                known = item.num_new_tokens - len(item.drafts)
+                item.seq.num_computed_tokens = self.block_manager.mark_computed(item.seq, known)
                 item.seq.num_evicted_blocks = len(self.block_manager.evicted_blocks(item.seq))
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """After a verification step, once the accepted proposals (and the token after them)
+        are appended to ``seq``: their KV, computed this step, counts as computed (full blocks
+        enter the prefix cache only now, with the accepted tokens' hashes); the slots of the
+        rejected ones are rewritten by later steps, and blocks that hold only rejected
+        positions go back to the pool."""
+        if seq.status is SequenceStatus.RUNNING and num_accepted:
+            seq.num_computed_tokens = self.block_manager.mark_computed(seq, num_accepted)
+        if seq.status is SequenceStatus.RUNNING:
+            self.block_manager.truncate(seq, seq.num_tokens)
+        seq.draft_token_ids = []
+
+    def _drafts_that_fit(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """The proposed tokens of a decoding ``seq`` this step verifies: all of them if the
+        token budget allows and the blocks they add leave one free block per running sequence,
+        else none: a proposal never preempts anything, now or in this step's later decodes."""
+        drafts = seq.draft_token_ids
+        if not drafts:
+            return ()
+        bm = self.block_manager
+        extra = bm.blocks_to_append(seq, 1 + len(drafts)) - bm.blocks_to_append(seq, 1)
+        if len(drafts) > budget or (extra and bm.pool.num_free_or_cached - extra < len(self.running)):
+            seq.draft_token_ids = []
+            return ()
+        return tuple(drafts)
 
     # -- the step ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -226,14 +255,14 @@ class Scheduler:
         scheduled: set[int] = set()
         in_flight: set[bytes] = set()  # hashes of full blocks this step computes
 
-        def take(seq: Sequence, n: int) -> None:
+        def take(seq: Sequence, n: int, drafts: tuple[int, ...] = ()) -> None:
             nonlocal budget
-            bm.append_slots(seq, n)
+            bm.append_slots(seq, n + len(drafts))
             in_flight.update(bm.hashes_filled_by(seq, n))
             start = seq.num_computed_tokens
-            out.scheduled.append(ScheduledSequence(seq, n, start, start + n == seq.num_tokens))
+            out.scheduled.append(ScheduledSequence(seq, n + len(drafts), start, start + n == seq.num_tokens, drafts))
             scheduled.add(id(seq))
-            budget -= n
+            budget -= n + len(drafts)
 
         def chunk(seq: Sequence) -> int:
             remaining = bm.computable_tokens(seq)
@@ -251,7 +280,7 @@ class Scheduler:
             if budget == 0 or len(out.scheduled) >= cfg.max_num_seqs:
                 break
             if self._make_room(seq, out):
-                take(seq, 1)
+                take(seq, 1, self._drafts_that_fit(seq, budget - 1))
 
         # 2. partially prefilled sequences (their blocks were reserved at admission).
         for seq in list(self.running):

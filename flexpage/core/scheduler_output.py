@@ -10,7 +10,9 @@ For each :class:`ScheduledSequence` the runner computes KV for token positions
 ``start .. start + num_new_tokens - 1`` of ``seq.token_ids`` (slot of position
 ``p``: block ``block_manager.block_table(seq)[p // block_size]``, offset ``p % block_size``),
 attending to all positions ``< start + num_new_tokens``; and, if ``sample`` is
-True, samples the next token from the last position's logits.
+True, samples the next token from the last position's logits. A decode slice that verifies
+proposed tokens (speculative decoding) runs ``drafts`` after the sequence's last token, as
+positions ``start + 1 ..``, and every one of its rows' logits is sampled.
 """
 
 from __future__ import annotations
@@ -35,15 +37,20 @@ class ScheduledSequence:
     #: True when this slice reaches the end of ``seq.token_ids``: the runner must
     #: sample a token from the last position's logits (decodes and final prefill chunks).
     sample: bool
+    #: proposed tokens after the sequence's last token, verified this step (counted in
+    #: ``num_new_tokens``; their KV is rolled back where they are rejected)
+    drafts: tuple[int, ...] = ()
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start : self.start + self.num_new_tokens]
+        known = self.num_new_tokens - len(self.drafts)
+        return [*self.seq.token_ids[self.start : self.start + known], *self.drafts]
 
     @property
     def is_prefill(self) -> bool:
         """Whether any prompt position (or recomputed history) is in this slice."""
-        return not (self.num_new_tokens == 1 and self.sample and self.start >= self.seq.num_prompt_tokens)
+        return not (self.num_new_tokens == 1 + len(self.drafts) and self.sample
+                    and self.start >= self.seq.num_prompt_tokens)
 
     @property
     def is_prefill_chunk_final(self) -> bool:
@@ -139,6 +146,7 @@ def step_inputs(scheduled: Iterable[ScheduledSequence],
         inputs.evicted_pages |= seq.num_evicted_blocks > 0
         inputs.seq_lens.append(item.start + item.num_new_tokens)
         inputs.query_lens.append(item.num_new_tokens)
-        if item.sample:
-            inputs.sample_rows.append(len(inputs.token_ids) - 1)
+        if item.sample:  # the last row, and the rows of proposed tokens before it
+            last = len(inputs.token_ids)
+            inputs.sample_rows.extend(range(last - 1 - len(item.drafts), last))
     return inputs

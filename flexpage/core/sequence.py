@@ -83,6 +83,7 @@ class Sequence:
         "num_evicted_blocks",
         "cache_salt",
         "conversation",
+        "draft_token_ids",
     )
 
     def __init__(
@@ -127,6 +128,9 @@ class Sequence:
         self.cache_salt: str | None = cache_salt
         #: the conversation this turn belongs to: names the owner of the blocks it publishes
         self.conversation: str | None = conversation
+        #: speculative decoding: tokens proposed to follow ``token_ids``, verified in the next
+        #: decode step (never part of ``token_ids``, the prefix cache or the output until accepted)
+        self.draft_token_ids: list[int] = []
 
     # -- derived sizes -----------------------------------------------------
     @property

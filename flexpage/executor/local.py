@@ -10,6 +10,7 @@ whose it is); a failure of sampling is found row by row and reported per row.
 
 from __future__ import annotations
 
+import itertools
 from itertools import groupby
 
 import torch
@@ -22,8 +23,9 @@ from flexpage.attention.eviction import EvictionPolicy
 from flexpage.model.kv_eviction import block_scores
 from flexpage.model.kv_tier_storage import TierStorage
 from flexpage.model.runner import ModelRunner
-from flexpage.model.sampler import sample
+from flexpage.model.sampler import TokenLogprobs, sample
 from flexpage.model.tensor_parallel import RankFailure
+from flexpage.speculative.verify import verify_chains
 from flexpage.structured.bitmask import apply_bitmask
 
 __all__ = ["LocalExecutor"]
@@ -86,31 +88,39 @@ class LocalExecutor:
     def _sample(self, logits: Tensor, plan: StepPlan, result: StepResult) -> None:
         """Sample every row at once; if that raises, row by row, so that only the rows whose
         own parameters break sampling fail. Rows under a grammar sample only the tokens their
-        bitmask allows."""
+        bitmask allows; rows with proposed tokens verify them."""
         rows = plan.samples
-        if [row.logits_row for row in rows] != list(range(logits.shape[0])):
-            logits = logits[[row.logits_row for row in rows]]  # n > 1 samples share their prompt's row
+        counts = [1 + len(row.drafts) for row in rows]
+        firsts = list(itertools.accumulate(counts, initial=0))
+        wanted = [row.logits_row + j for row, n in zip(rows, counts) for j in range(n)]
+        if wanted != list(range(logits.shape[0])):
+            logits = logits[wanted]  # n > 1 samples share their prompt's row
         if plan.token_bitmask is not None:
-            _constrain(logits, plan.constrained, plan.token_bitmask)
+            _constrain(logits, [firsts[i] for i in plan.constrained], plan.token_bitmask)
         try:
-            picks = self._sample_rows(logits, rows)
+            picks = self._draw(logits, rows)
         except Exception:
             picks = []
             for i, row in enumerate(rows):
                 try:
-                    picks += self._sample_rows(logits[i : i + 1], [row])
+                    picks += self._draw(logits[firsts[i] : firsts[i + 1]], [row])
                 except Exception as error:
                     result.errors[i] = error
-                    picks.append(None)
-        for pick in picks:
-            result.token_ids.append([] if pick is None else [pick[0]])
-            result.logprobs.append([] if pick is None else [pick[1]])
+                    picks.append(([], []))
+        for tokens, logprobs in picks:
+            result.token_ids.append(tokens)
+            result.logprobs.append(logprobs)
 
-    def _sample_rows(self, logits: Tensor, rows: list[SampleRow]) -> list[tuple[int, object]]:
+    def _draw(self, logits: Tensor, rows: list[SampleRow]) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
+        """Per row, its tokens and their logprobs (one each, unless the row verifies proposals)."""
+        if any(row.drafts for row in rows):
+            return verify_chains(logits, [r.drafts for r in rows], [r.params for r in rows],
+                                 [r.history for r in rows], [r.generator for r in rows], self.eos_token_id,
+                                 generator=self._generator)
         out = sample(logits, [r.params for r in rows], [r.history for r in rows], [r.generator for r in rows],
                      self.eos_token_id, generator=self._generator)
         logprobs = out.logprobs or [None] * len(rows)
-        return list(zip(out.token_ids.tolist(), logprobs))
+        return [([token], [lp]) for token, lp in zip(out.token_ids.tolist(), logprobs)]
 
     def check_health(self) -> None:
         """Raise if a part of the executor outside this process has failed (nothing here)."""

@@ -38,12 +38,16 @@ class ForwardFailed(Exception):
 
 @dataclass(slots=True)
 class SampleRow:
-    """One token to sample from logits row ``logits_row`` (an index into ``inputs.sample_rows``)."""
+    """One token to sample from logits row ``logits_row`` (an index into ``inputs.sample_rows``)
+    -- or, with ``drafts``, proposed tokens to verify: rows ``logits_row .. + len(drafts)`` score
+    the token after the last one and after each proposal, and the row accepts a prefix of the
+    proposals plus one token (:mod:`flexpage.speculative.verify`)."""
 
     logits_row: int
     params: SamplingParams
     history: TokenHistory
     generator: torch.Generator | None  # the sample's own (seeded requests); None: the executor's
+    drafts: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -64,7 +68,7 @@ class StepPlan:
 class StepResult:
     """What one step produced; lists are parallel to the plan's ``samples`` and ``scores``."""
 
-    #: per sample row, the tokens it accepted (one each, until a step verifies proposals)
+    #: per sample row, the tokens it accepted (one, or the accepted proposals and one more)
     token_ids: list[list[int]] = field(default_factory=list)
     #: per sample row, each accepted token's logprobs (None: the row asked for none)
     logprobs: list[list[TokenLogprobs | None]] = field(default_factory=list)

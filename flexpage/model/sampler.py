@@ -46,6 +46,8 @@ __all__ = [
     "apply_min_tokens",
     "apply_top_k_top_p",
     "apply_min_p",
+    "sampling_probs",
+    "gather_logprobs",
 ]
 
 _U64 = (1 << 64) - 1
@@ -234,8 +236,9 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------
 
 
-def _process_random_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p for non-greedy rows; returns probabilities."""
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p for non-greedy rows; returns probabilities (what
+    :func:`sample` draws from, and what speculative verification accepts against)."""
     device = logits.device
     temps = _column([p.temperature for p in params], device)
     # Shift by the row max first: softmax-invariant and no inf/inf at tiny temperatures.
@@ -273,11 +276,12 @@ def _exponential_noise(
     return noise.clamp_min_(1e-10)
 
 
-def _gather_logprobs(
+def gather_logprobs(
     raw_logits: torch.Tensor,
     token_ids: torch.Tensor,
     params: Sequence[SamplingParams],
 ) -> list[TokenLogprobs | None] | None:
+    """Each row's logprobs of ``token_ids`` under its raw logits, for rows that ask for them."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return None
@@ -382,7 +386,7 @@ def sample(
             sub = x.index_select(0, idx)
             sub_params = [params[i] for i in random_rows]
             sub_gens = [generators[i] for i in random_rows]
-        probs = _process_random_rows(sub, sub_params)
+        probs = sampling_probs(sub, sub_params)
         noise = _exponential_noise(tuple(probs.shape), sub_gens, generator, probs.device)
         sampled = row_argmax(probs.div_(noise))
         if len(random_rows) == batch:
@@ -390,4 +394,4 @@ def sample(
         else:
             token_ids[idx] = sampled
 
-    return SamplerOutput(token_ids=token_ids, logprobs=_gather_logprobs(raw, token_ids, params))
+    return SamplerOutput(token_ids=token_ids, logprobs=gather_logprobs(raw, token_ids, params))

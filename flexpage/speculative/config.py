@@ -29,10 +29,14 @@ __all__ = ["METHODS", "SpeculativeConfig"]
 METHODS = ("ngram", "draft_model")
 _NGRAM_ALIASES = ("ngram", "[ngram]")
 _KEYS = {
-    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_branches"),
-    "draft_model": ("method", "model", "num_speculative_tokens"),
+    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_branches",
+              "disable_by_batch_size"),
+    "draft_model": ("method", "model", "num_speculative_tokens", "disable_by_batch_size"),
 }
 _DEFAULT_LOOKUP = 5  # vLLM's default for both prompt_lookup_min and prompt_lookup_max
+#: decoding sequences above which nothing is proposed (bench/speculative.py measures where
+#: speculation stops paying; vLLM's key, which has no default there)
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -52,6 +56,7 @@ class SpeculativeConfig:
             n-gram that is looked up (the longest that occurs earlier wins).
         max_branches: n-gram only; how many distinct continuations to propose as a tree.
         model: draft_model only; the draft checkpoint (same tokenizer as the target).
+        disable_by_batch_size: with more sequences decoding than this, nothing is proposed.
     """
 
     method: str
@@ -60,11 +65,13 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     max_branches: int = 1
     model: str | None = None
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method: got {self.method!r}, expected one of {METHODS}")
         _positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        _positive_int("disable_by_batch_size", self.disable_by_batch_size)
         if self.method == "ngram":
             _positive_int("prompt_lookup_min", self.prompt_lookup_min)
             _positive_int("prompt_lookup_max", self.prompt_lookup_max)
@@ -106,15 +113,16 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in spec:
             raise ValueError("num_speculative_tokens: missing, expected an int >= 1")
         k = spec["num_speculative_tokens"]
+        batch = spec.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
         if method == "draft_model":
-            return cls(method, k, model=spec.get("model"))
+            return cls(method, k, model=spec.get("model"), disable_by_batch_size=batch)
         low, high = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
         if low is None and high is None:
             low = high = _DEFAULT_LOOKUP
         low = high if low is None else low
         high = low if high is None else high
         return cls(method, k, prompt_lookup_min=low, prompt_lookup_max=high,
-                   max_branches=spec.get("max_branches", 1))
+                   max_branches=spec.get("max_branches", 1), disable_by_batch_size=batch)
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:

@@ -1,0 +1,116 @@
+"""The engine's side of speculative decoding: what each decoding sequence proposes this step.
+
+Before each step the engine calls :meth:`Speculator.propose` over the running sequences; it
+sets ``seq.draft_token_ids`` (the scheduler verifies them in the sequence's decode slice when
+the token budget and free blocks allow). After the step the engine reports each
+verification (:meth:`Speculator.verified`), which adapts that sequence's k:
+
+* **per sequence**: k grows by one after a fully accepted proposal and drops to one more
+  than the accepted count otherwise; a proposal rejected outright makes the sequence
+  skip proposing for 1, 2, 4, then 8 steps (reset by any acceptance), so text with nothing
+  worth copying costs the n-gram lookup and little else;
+* **under load**: with more than ``disable_by_batch_size`` sequences decoding (vLLM's key of
+  the same name), nothing is proposed: a batch of decodes already reads each weight once for
+  many tokens, and verification rows run the slower prefill path of attention.
+
+What a request never speculates on: a grammar (its matcher would have to accept and roll
+back proposals), a KV budget (refused with the engine option, see :mod:`flexpage.features`),
+``num_speculative_tokens=0`` in its :class:`~flexpage.sampling_params.SamplingParams`, and
+its last token before ``max_tokens`` or ``max_model_len`` (no proposal runs past either).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from flexpage.core.sequence import Sequence, SequenceStatus
+from flexpage.speculative.config import SpeculativeConfig
+from flexpage.speculative.ngram import NgramProposer
+
+__all__ = ["Speculator"]
+
+_MAX_BACKOFF = 8  # steps a sequence whose proposals keep failing waits before proposing again
+
+
+@dataclass(slots=True)
+class _Adaptive:
+    k: int
+    skip: int = 0  # steps left without proposing
+    backoff: int = 0  # the next skip after a proposal rejected outright
+
+
+class Speculator:
+    """Proposals for decoding sequences, adapted per sequence and to the batch (see the module
+    docstring); counts what it proposed and what was accepted."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        if config.method != "ngram":
+            raise ValueError(f"speculative_config: method {config.method!r} is not run by the engine yet "
+                             f"(only 'ngram')")
+        self.config = config
+        self.max_model_len = max_model_len
+        self.proposer = NgramProposer(config)
+        self._state: dict[int, _Adaptive] = {}
+        #: proposed tokens that were verified, and how many of them were accepted
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_verifications = 0
+
+    def propose(self, running: Iterable[Sequence]) -> None:
+        """Set ``draft_token_ids`` of every running sequence (empty where nothing is proposed)."""
+        running = list(running)
+        decoding = [s for s in running if s.status is SequenceStatus.RUNNING and s.num_uncomputed_tokens == 1]
+        live = {s.seq_id for s in running}
+        for seq_id in [i for i in self._state if i not in live]:
+            del self._state[seq_id]
+            self.proposer.release(seq_id)
+        for seq in running:
+            seq.draft_token_ids = []
+        if len(decoding) > self.config.disable_by_batch_size:
+            return
+        for seq in decoding:
+            k = self._k(seq)
+            if k:
+                seq.draft_token_ids = list(self.proposer.propose(seq.seq_id, seq.token_ids, k=k).proposals)
+
+    def _k(self, seq: Sequence) -> int:
+        """How many tokens ``seq`` may propose this step (0: none)."""
+        request = seq.request
+        params = getattr(request, "params", None)
+        wanted = self.config.num_speculative_tokens
+        if params is not None and params.num_speculative_tokens is not None:
+            wanted = min(wanted, params.num_speculative_tokens)
+        if not wanted or seq.kv_budget is not None or getattr(request, "grammars", None):
+            return 0
+        state = self._state.setdefault(seq.seq_id, _Adaptive(wanted))
+        if state.skip:
+            state.skip -= 1
+            return 0
+        room = self.max_model_len - seq.num_tokens - 1  # the token after the proposals needs a slot too
+        if seq.max_tokens is not None:
+            room = min(room, seq.max_tokens - seq.num_output_tokens - 1)
+        return max(0, min(state.k, wanted, room))
+
+    def verified(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """Record one verification of ``seq``'s ``num_drafts`` proposals and adapt its k."""
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        self.num_verifications += 1
+        state = self._state.get(seq.seq_id)
+        if state is None:
+            return
+        if num_accepted == num_drafts:
+            state.k = min(state.k + 1, self.config.num_speculative_tokens)
+        else:
+            state.k = max(1, num_accepted + 1)
+        if num_accepted:
+            state.backoff = 0
+        else:
+            state.backoff = min(_MAX_BACKOFF, max(1, 2 * state.backoff))
+            state.skip = state.backoff
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / verified proposed tokens (0.0 before any verification)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0

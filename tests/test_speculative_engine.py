@@ -1,0 +1,315 @@
+"""Speculative decoding in the engine: proposals verified in the normal paged step, the same
+tokens out, every rejected slot rolled back.
+
+Three layers, each against a second implementation:
+
+* the scheduler and block manager alone (a fake model, as in ``test_scheduler.py``): random
+  proposals, some right and some wrong, are verified; after every step each computed
+  position holds its own prefix's KV (a symbolic shadow of the pool), blocks holding only
+  rejected positions go back to the pool, and what the prefix cache serves a later sequence
+  is that sequence's prefix -- never a rejected proposal's;
+* the engine on tiny random-weight models: greedy tokens with prompt lookup equal plain
+  decoding and HF transformers', across architectures whose recipes the verification rows
+  must respect (sliding window, soft-capping), with stops, ``max_tokens``, ``n > 1``,
+  logprobs and grammars; seeded sampling is reproducible;
+* the policy: what is proposed, and when nothing is (load, per-request opt-out, backoff).
+
+The statistical check of speculative sampling (every token distributed as the target's) is
+in ``test_rejection_sampler.py``.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from engine_models import hf_greedy, load_reference, random_prompts
+from flexpage import SamplingParams, StructuredOutputsParams
+from flexpage.config import EngineConfig
+from flexpage.core import BlockManager, Scheduler, SchedulerConfig, Sequence, SequenceStatus
+from flexpage.core.kv_ops import BlockOpKind
+from flexpage.features import UnsupportedCombination
+from flexpage.speculative.config import SpeculativeConfig
+from flexpage.speculative.speculator import Speculator
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+# -- scheduler and block manager, with a fake model ---------------------------------------
+
+
+def fake_token(seq_id: int, position: int) -> int:
+    """The 'model': the token at ``position`` depends only on the sequence and the position."""
+    return (seq_id * 31 + position * 7) % 97
+
+
+class SpeculatingLoop:
+    """The engine loop with a fake model and a shadow of the pool: slot -> the token prefix
+    whose KV it holds (proposed tokens included, as the model computes them)."""
+
+    def __init__(self, sched: Scheduler, rng: random.Random, right: float) -> None:
+        self.sched, self.rng, self.right = sched, rng, right
+        self.bm = sched.block_manager
+        self.kv: dict[int, list] = {}
+
+    def propose(self, seq: Sequence) -> list[int]:
+        """Up to 4 proposals (none past ``max_tokens``), each the model's token with probability ``right``."""
+        drafts = []
+        for i in range(min(self.rng.randint(0, 4), seq.max_tokens - seq.num_output_tokens - 1)):
+            true = fake_token(seq.seq_id, seq.num_tokens + i)
+            drafts.append(true if self.rng.random() < self.right else (true + 1) % 97)
+        return drafts
+
+    def step(self) -> None:
+        for seq in self.sched.running:
+            seq.draft_token_ids = self.propose(seq) if seq.num_uncomputed_tokens == 1 else []
+        out = self.sched.schedule()
+        size = self.bm.block_size
+        for op in out.kv_ops:
+            assert op.kind is BlockOpKind.COPY
+            self.kv[op.dst] = list(self.kv.get(op.src, [None] * size))
+        for item in out.scheduled:
+            tokens = item.seq.token_ids[: item.start] + item.token_ids
+            for p in range(item.start, item.start + item.num_new_tokens):
+                block = self.kv.setdefault(self.bm.block_table(item.seq)[p // size], [None] * size)
+                block[p % size] = tuple(tokens[: p + 1])
+        self.sched.mark_computed(out)
+        for item in out.scheduled:
+            seq = item.seq
+            if not item.sample:
+                continue
+            accepted = 0  # the model's tokens after the last one, while the proposals agree
+            while accepted < len(item.drafts) and item.drafts[accepted] == fake_token(seq.seq_id, seq.num_tokens):
+                seq.append_token(item.drafts[accepted])
+                accepted += 1
+            seq.append_token(fake_token(seq.seq_id, seq.num_tokens))
+            if item.drafts:
+                self.sched.accept_drafts(seq, accepted)
+            self.check(seq)
+            if seq.num_output_tokens >= seq.max_tokens:
+                self.sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
+
+    def check(self, seq: Sequence) -> None:
+        size, table = self.bm.block_size, self.bm.block_table(seq)
+        for p in range(seq.num_computed_tokens):
+            assert self.kv[table[p // size]][p % size] == tuple(seq.token_ids[: p + 1]), (seq, p)
+        assert len(table) <= -(-seq.num_tokens // size)  # nothing held past the next token's block
+
+    def run(self) -> None:
+        for _ in range(5000):
+            if not self.sched.has_unfinished():
+                return
+            self.step()
+        raise AssertionError("no progress")
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, **config) -> Scheduler:
+    config.setdefault("watermark", 0.0)
+    return Scheduler(SchedulerConfig(**config), BlockManager(num_blocks, block_size))
+
+
+@pytest.mark.parametrize("right", [0.0, 0.5, 1.0])
+def test_verified_proposals_keep_every_computed_slot_right_and_rejected_ones_roll_back(right):
+    rng = random.Random(int(right * 10))
+    sched = make_scheduler(max_num_batched_tokens=24, max_model_len=128)
+    seqs = [Sequence(i, [rng.randrange(97) for _ in range(rng.randint(3, 20))], max_tokens=30) for i in range(6)]
+    for seq in seqs:
+        sched.add(seq)
+    SpeculatingLoop(sched, rng, right).run()
+    for seq in seqs:
+        assert seq.output_token_ids == [fake_token(seq.seq_id, seq.num_prompt_tokens + i) for i in range(30)]
+    stats = sched.block_manager.stats()
+    assert stats.used == 0 and stats.free + stats.cached == stats.total - 1
+
+
+def test_the_prefix_cache_serves_accepted_tokens_never_rejected_proposals():
+    """A sequence whose proposals were all rejected leaves its blocks cached; a later prompt
+    made of its tokens is served from the cache and every reused slot holds that prompt's prefix."""
+    rng = random.Random(5)
+    sched = make_scheduler(max_num_batched_tokens=64, max_model_len=128)
+    first = Sequence(0, [rng.randrange(97) for _ in range(10)], max_tokens=20)
+    sched.add(first)
+    loop = SpeculatingLoop(sched, rng, right=0.3)
+    loop.run()
+    again = Sequence(1, list(first.token_ids), max_tokens=2)
+    sched.add(again)
+    loop.right = 0.0
+    loop.step()
+    assert again.num_cached_tokens >= 16
+    size, table = sched.block_manager.block_size, sched.block_manager.block_table(again)
+    for p in range(again.num_cached_tokens):
+        assert loop.kv[table[p // size]][p % size] == tuple(again.token_ids[: p + 1])
+    loop.run()
+
+
+def test_proposals_are_dropped_rather_than_preempting_anything():
+    """With one free block left and another sequence still to decode, no proposal takes it."""
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64, max_model_len=64)
+    a, b = Sequence(0, list(range(7)), max_tokens=10), Sequence(1, list(range(20, 28)), max_tokens=10)
+    for seq in (a, b):
+        sched.add(seq)
+    out = sched.schedule()
+    sched.mark_computed(out)
+    for seq in (a, b):
+        seq.append_token(1)
+    # a's next token fits its second block, its proposals would take the one free block, which b needs next
+    a.draft_token_ids = [5, 6, 7]
+    out = sched.schedule()
+    assert [item.drafts for item in out.scheduled] == [(), ()]
+    assert not out.preempted and a.draft_token_ids == []
+    for seq in (a, b):
+        sched.finish(seq, SequenceStatus.FINISHED_ABORTED)
+
+
+# -- the policy ----------------------------------------------------------------------------
+
+
+def decoding(seq_id: int, tokens: list[int], **request) -> Sequence:
+    seq = Sequence(seq_id, tokens, max_tokens=100,
+                   request=SimpleNamespace(params=SamplingParams(**request), grammars=None))
+    seq.status = SequenceStatus.RUNNING
+    seq.num_computed_tokens = len(tokens) - 1
+    return seq
+
+
+def test_nothing_is_proposed_above_the_batch_size_that_disables_it():
+    spec = Speculator(SpeculativeConfig.from_dict({**NGRAM, "disable_by_batch_size": 2}), max_model_len=512)
+    looping = [1, 2, 3, 1, 2, 3, 1, 2]
+    two = [decoding(i, looping) for i in range(2)]
+    spec.propose(two)
+    assert [s.draft_token_ids for s in two] == [[3, 1, 2, 3]] * 2
+    three = [decoding(i, looping) for i in range(3)]
+    spec.propose(three)
+    assert [s.draft_token_ids for s in three] == [[], [], []]
+
+
+def test_a_request_opts_out_or_lowers_k_and_no_proposal_passes_max_tokens():
+    spec = Speculator(SpeculativeConfig.from_dict(NGRAM), max_model_len=512)
+    looping = [1, 2, 3, 1, 2, 3, 1, 2]
+    off, two = decoding(0, looping, num_speculative_tokens=0), decoding(1, looping, num_speculative_tokens=2)
+    near_end = decoding(2, looping)
+    near_end.max_tokens = 3  # room for 3 tokens: 2 proposals and the one after them
+    spec.propose([off, two, near_end])
+    assert off.draft_token_ids == [] and two.draft_token_ids == [3, 1] and near_end.draft_token_ids == [3, 1]
+
+
+def test_k_adapts_to_acceptance_and_outright_rejections_back_off():
+    spec = Speculator(SpeculativeConfig.from_dict(NGRAM), max_model_len=512)
+    seq = decoding(0, [1, 2, 3, 1, 2, 3, 1, 2])
+    spec.propose([seq])
+    assert len(seq.draft_token_ids) == 4
+    spec.verified(seq, 4, 1)  # k drops to accepted + 1
+    spec.propose([seq])
+    assert len(seq.draft_token_ids) == 2
+    spec.verified(seq, 2, 0)  # rejected outright: skip one step, then propose again
+    spec.propose([seq])
+    assert seq.draft_token_ids == []
+    spec.propose([seq])
+    assert len(seq.draft_token_ids) == 1
+    spec.verified(seq, 1, 1)
+    assert (spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_verifications) == (7, 2, 3)
+
+
+def test_engine_options_that_do_not_combine_are_refused_by_name():
+    with pytest.raises(UnsupportedCombination, match="speculative_config.*kv_budget|kv_budget.*speculative_config"):
+        EngineConfig(speculative_config=NGRAM, kv_budget_tokens=64, block_size=8)
+    with pytest.raises(ValueError, match="method 'draft_model' is not run by the engine yet"):
+        EngineConfig(speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="max_branches=2"):
+        EngineConfig(speculative_config={**NGRAM, "max_branches": 2})
+    assert EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}').speculative_config \
+        == SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
+
+
+# -- the engine ---------------------------------------------------------------------------
+
+engine_test = pytest.mark.usefixtures("single_torch_thread", "kv_blocks_returned")
+
+#: prompts that repeat themselves, so that prompt lookup finds something to propose
+PROMPTS = [p + p[:12] for p in random_prompts((20, 40, 9, 27), seed=3)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True)
+
+
+def engines(llm_factory, folder, **config):
+    plain = llm_factory(folder, block_size=8, **config)
+    spec = llm_factory(folder, block_size=8, speculative_config=NGRAM, **config)
+    return plain, spec
+
+
+def generate(llm, prompts, params):
+    return [[list(c.token_ids) for c in o.outputs] for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                        params)]
+
+
+def spec_counts(llm) -> tuple[int, int]:
+    stats = llm.engine.stats()
+    return stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
+
+
+@engine_test
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+def test_greedy_tokens_with_prompt_lookup_equal_plain_decoding(kind, tiny_model, llm_factory):
+    """Mistral's sliding window and Gemma2's soft-capping apply to the verification rows too."""
+    plain, spec = engines(llm_factory, tiny_model(kind))
+    before = spec_counts(spec)
+    expected = generate(plain, PROMPTS, GREEDY)
+    assert generate(spec, PROMPTS, GREEDY) == expected
+    drafted, accepted = (now - then for now, then in zip(spec_counts(spec), before))
+    assert 0 < accepted < drafted  # proposals were verified, some accepted and some rolled back
+    if kind == "llama":
+        reference = load_reference(tiny_model(kind))
+        assert [[hf_greedy(reference, p, GREEDY.max_tokens, stop_at_eos=False)] for p in PROMPTS] == expected
+
+
+@engine_test
+def test_stops_inside_an_accepted_run_end_the_output_where_plain_decoding_does(tiny_model, llm_factory):
+    plain, spec = engines(llm_factory, tiny_model("llama"))
+    free = generate(plain, PROMPTS, GREEDY)
+    for prompt, [tokens] in zip(PROMPTS, free):
+        stop = tokens[len(tokens) // 2]
+        params = SamplingParams(temperature=0.0, max_tokens=37, stop_token_ids=[stop])
+        assert generate(spec, [prompt], params) == generate(plain, [prompt], params)
+    for max_tokens in (1, 2, 5):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        assert generate(spec, PROMPTS, params) == [[t[:max_tokens]] for [t] in free]
+
+
+@engine_test
+def test_parallel_samples_logprobs_and_penalties_under_speculation(tiny_model, llm_factory):
+    plain, spec = engines(llm_factory, tiny_model("llama"))
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, n=2, logprobs=2)
+    expected = plain.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    got = spec.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    for want, have in zip(expected, got):
+        for a, b in zip(want.outputs, have.outputs):
+            assert b.token_ids == a.token_ids
+            for x, y in zip(a.logprobs, b.logprobs):
+                assert x.keys() == y.keys()
+                assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+    penalised = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3,
+                               frequency_penalty=0.4)
+    assert generate(spec, PROMPTS, penalised) == generate(plain, PROMPTS, penalised)
+
+
+@engine_test
+def test_seeded_sampling_under_speculation_is_reproducible(tiny_model, llm_factory):
+    _, spec = engines(llm_factory, tiny_model("llama"))
+    params = SamplingParams(temperature=0.7, top_k=20, max_tokens=30, ignore_eos=True, seed=11)
+    before = spec_counts(spec)
+    first = generate(spec, PROMPTS, params)
+    assert generate(spec, PROMPTS, params) == first
+    assert spec_counts(spec)[0] > before[0]
+
+
+@engine_test
+def test_a_request_that_opts_out_or_has_a_grammar_decodes_without_proposals(tiny_model, llm_factory):
+    plain, spec = engines(llm_factory, tiny_model("llama"))
+    before = spec_counts(spec)
+    opted_out = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, num_speculative_tokens=0)
+    assert generate(spec, PROMPTS, opted_out) == generate(plain, PROMPTS, opted_out)
+    choice = SamplingParams(temperature=0.0, max_tokens=20,
+                            structured_outputs=StructuredOutputsParams(regex="(ab|cd){1,8}"))
+    assert generate(spec, PROMPTS, choice) == generate(plain, PROMPTS, choice)
+    assert spec_counts(spec) == before
