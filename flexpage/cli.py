@@ -190,6 +190,10 @@ def serve(
     tensor_parallel_timeout: float = typer.Option(120.0, help="Seconds a rank waits for a peer before the server "
                                                               "fails (a hung rank)."),
     seed: int = typer.Option(0, help="Seed of the engine's shared RNG (unseeded requests)."),
+    speculative_config: Optional[str] = typer.Option(None, help="Speculative decoding, vLLM's JSON: "
+                                                                "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                                                                "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
+                                                                "(docs/speculative.md)."),
     max_request_body: str = typer.Option("4MiB", help="Largest request body accepted; larger ones get 413."),
     drain_timeout: float = typer.Option(30.0, help="Seconds Ctrl-C waits for in-flight requests before aborting them."),
     warmup: bool = typer.Option(True, help="Run one tiny request before listening (compiles kernels)."),
@@ -227,7 +231,8 @@ def serve(
         kv_budget_tokens=kv_budget, kv_eviction=kv_eviction, host_kv_bytes=host_kv_bytes, disk_kv_dir=disk_kv_dir,
         disk_kv_bytes=disk_kv_bytes, kv_tier_policy=kv_tier_policy, kv_layout=kv_layout,
         kv_resident_bytes=kv_resident_bytes, tensor_parallel_size=tensor_parallel_size, quantization=quantization,
-        tensor_parallel_timeout=tensor_parallel_timeout, seed=seed, max_request_body=max_request_body,
+        tensor_parallel_timeout=tensor_parallel_timeout, seed=seed, speculative_config=speculative_config,
+        max_request_body=max_request_body,
         drain_timeout=drain_timeout, warmup=warmup, tool_prompt=tool_prompt,
         log_level=log_level,
     )

@@ -38,7 +38,7 @@ from flexpage.input_processor import InputProcessor, PromptInput, check_optional
 from flexpage.kv_view import kv_view
 from flexpage.model.sampler import TokenHistory, make_generator
 from flexpage.output_processor import OutputProcessor, Request
-from flexpage.outputs import RequestOutput
+from flexpage.outputs import RequestOutput, SpeculationCounts
 from flexpage.sampling_params import SamplingParams
 from flexpage.speculative.speculator import Speculator
 from flexpage.structured.backend import GrammarMatcher
@@ -145,7 +145,8 @@ class LLMEngine:
             grammars = [grammar.matcher() for _ in range(params.n)]
         request = Request(request_id, text, token_ids, params, time.monotonic(), generators=generators,
                           grammars=grammars, kv_budget=kv_budget, block_size=self.config.block_size,
-                          conversation=conversation_id)
+                          conversation=conversation_id,
+                          speculation=SpeculationCounts() if self.speculator is not None else None)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
         seq = Sequence(next(self._seq_ids), token_ids, max_tokens=max_tokens, request=request, num_samples=params.n,
                        kv_budget=kv_budget, cache_salt=cache_salt, conversation=conversation_id)

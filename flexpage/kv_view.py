@@ -83,7 +83,8 @@ def kv_view(engine: Any, max_conversations: int = 64, max_requests: int = 128) -
             "history_reuse_rate": stats["conversation_reused_tokens"] / max(1, stats["conversation_history_tokens"]),
             **{name: stats[name] for name in ("kv_spilled_tokens", "kv_restored_host_tokens", "kv_restored_disk_tokens",
                                               "kv_dropped_tokens", "kv_released_tokens",
-                                              "kv_hole_recomputed_tokens", "conversation_recomputed_tokens")},
+                                              "kv_hole_recomputed_tokens", "conversation_recomputed_tokens",
+                                              "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")},
         },
     }
 

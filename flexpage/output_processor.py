@@ -7,6 +7,7 @@ whether the sample stopped, and the engine retires it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 from flexpage.core.sequence import Sequence, SequenceStatus
 from flexpage.model.detokenizer import IncrementalDetokenizer
 from flexpage.model.sampler import TokenLogprobs
-from flexpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from flexpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SpeculationCounts
 from flexpage.sampling_params import SamplingParams
 from flexpage.structured.backend import GrammarMatcher
 
@@ -44,6 +45,9 @@ class Request:
     kv_budget: int | None = None
     block_size: int = 0
     conversation: str | None = None
+    #: speculative decoding, over all samples: proposed tokens verified, accepted, verifications
+    #: (None: the engine does not speculate)
+    speculation: SpeculationCounts | None = None
     #: set when the engine aborted the request because its own computation failed
     error: str | None = None
 
@@ -54,7 +58,8 @@ class Request:
     def to_output(self) -> RequestOutput:
         evicted = sum(seq.num_evicted_blocks for seq in self.seqs)
         metrics = RequestMetrics(self.arrival_time, self.first_token_time, self.kv_budget, evicted,
-                                 evicted * self.block_size)
+                                 evicted * self.block_size,
+                                 dataclasses.replace(self.speculation) if self.speculation is not None else None)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, list(self.outputs),
                              self.finished, self.num_cached_tokens, metrics, error=self.error)
 

@@ -29,6 +29,24 @@ class CompletionOutput:
 
 
 @dataclass
+class SpeculationCounts:
+    """Speculative decoding's work for one request, over its samples."""
+
+    draft_tokens: int = 0  # proposed tokens verified
+    accepted_tokens: int = 0  # of those, accepted
+    verifications: int = 0  # a sample's steps that checked proposals
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Proposed tokens accepted per verification."""
+        return self.accepted_tokens / self.verifications if self.verifications else 0.0
+
+
+@dataclass
 class RequestMetrics:
     """What a request cost beyond its tokens (vLLM's ``RequestOutput.metrics``)."""
 
@@ -37,6 +55,7 @@ class RequestMetrics:
     kv_budget: int | None = None  # KV tokens per layer each sample keeps (None: all)
     evicted_blocks: int = 0  # logical blocks its samples gave up to the budget, summed over samples
     evicted_tokens: int = 0  # the tokens in them
+    speculation: SpeculationCounts | None = None  # None: the engine does not speculate
 
 
 @dataclass

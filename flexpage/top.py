@@ -73,6 +73,8 @@ def render(view: dict[str, Any], width: int = 100, map_rows: int = 12) -> Group:
              f"{rates['history_reuse_rate']:.1%}   restored host {rates['kv_restored_host_tokens']:,} / disk "
              f"{rates['kv_restored_disk_tokens']:,} tokens   recomputed {rates['conversation_recomputed_tokens']:,}"
              f"   dropped {rates['kv_dropped_tokens']:,}   policy {tiers['policy'] or '-'}"),
+        Text(f"speculative decoding: {rates.get('spec_decode_num_draft_tokens', 0):,} tokens proposed, "
+             f"{rates.get('spec_decode_num_accepted_tokens', 0):,} accepted"),
     )
     conversations = Table("conversation", "turns", "idle s", "pool", "host", "disk", "reused", "recomputed",
                           title="conversations", expand=False, title_justify="left")

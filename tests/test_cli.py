@@ -134,3 +134,15 @@ def test_cli_and_server_defaults_match_the_engine_config():
     assert (serve["kv_budget"], serve["kv_eviction"]) == (engine.kv_budget_tokens, engine.kv_eviction)
     assert (settings.kv_budget_tokens, settings.kv_eviction) == (engine.kv_budget_tokens, engine.kv_eviction)
     assert serve["quantization"] == settings.quantization == engine.quantization
+
+
+@pytest.mark.parametrize("spec, message", [
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "method: got 'eagle'"),
+    ('{"method": "ngram"', "speculative_config: not valid JSON"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "kv_budget": 64}', "kv_budget: unknown key for method 'ngram'"),
+])
+def test_serve_refuses_a_bad_speculative_config_before_loading_anything(spec, message):
+    result = CliRunner().invoke(app, ["serve", "--model", "/no/such/model", "--speculative-config", spec],
+                                env={"COLUMNS": "300", "NO_COLOR": "1"})
+    assert result.exit_code == 2, result.output
+    assert message in result.output

@@ -65,6 +65,9 @@ SETTINGS: dict[str, dict] = {
     "no_prefix_caching": dict(enable_prefix_caching=False),
     "swap_preemption": dict(preemption_mode="swap", swap_space="1MiB"),
     "transformers_impl": dict(model_impl="transformers"),
+    # prompt lookup from 1-grams, at any batch size: proposals in every step where blocks allow them
+    "speculative": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                            "prompt_lookup_max": 2, "disable_by_batch_size": 64}),
 }
 BASE = dict(dtype="float32", compile=False, num_blocks=11, block_size=BLOCK, max_num_batched_tokens=16,
             max_model_len=128, max_num_seqs=8)
@@ -289,5 +292,7 @@ def test_working_features_together_give_hf_greedy_tokens(names, models, expected
                 assert runner.compiled_step is not None and runner.compiled_step.steps_run > 0
         if "deterministic" in names:
             assert runner.deterministic
+        if "speculative" in names:
+            assert stats["spec_decode_num_accepted_tokens"] > 0  # proposals were verified and accepted
     finally:
         _close(llm)

@@ -403,6 +403,7 @@ BAD_REQUESTS = [
     ("/v1/completions", b'{"prompt": "x", "n": 0}', 400, "n", None),
     ("/v1/completions", b'{"prompt": "x", "kv_budget": 20}', 400, "kv_budget", None),  # not whole blocks
     ("/v1/completions", b'{"prompt": "x", "kv_budget": 16}', 400, "kv_budget", None),  # under 3 blocks
+    ("/v1/completions", b'{"prompt": "x", "num_speculative_tokens": -1}', 400, "num_speculative_tokens", None),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "kv_budget": -8}', 400,
      "kv_budget", None),
     ("/v1/completions", b'{"prompt": "x", "logprobs": 50}', 400, "logprobs", None),

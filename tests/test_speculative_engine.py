@@ -238,9 +238,11 @@ def engines(llm_factory, folder, **config):
     return plain, spec
 
 
-def generate(llm, prompts, params):
-    return [[list(c.token_ids) for c in o.outputs] for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                                        params)]
+def generate(llm, prompts, params, metrics: list | None = None):
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    if metrics is not None:
+        metrics += [o.metrics for o in outputs]
+    return [[list(c.token_ids) for c in o.outputs] for o in outputs]
 
 
 def spec_counts(llm) -> tuple[int, int]:
@@ -255,9 +257,14 @@ def test_greedy_tokens_with_prompt_lookup_equal_plain_decoding(kind, tiny_model,
     plain, spec = engines(llm_factory, tiny_model(kind))
     before = spec_counts(spec)
     expected = generate(plain, PROMPTS, GREEDY)
-    assert generate(spec, PROMPTS, GREEDY) == expected
+    metrics: list = []
+    assert generate(spec, PROMPTS, GREEDY, metrics) == expected
     drafted, accepted = (now - then for now, then in zip(spec_counts(spec), before))
     assert 0 < accepted < drafted  # proposals were verified, some accepted and some rolled back
+    # each request reports its own share (vLLM's counters are engine-wide only)
+    assert sum(m.speculation.draft_tokens for m in metrics) == drafted
+    assert sum(m.speculation.accepted_tokens for m in metrics) == accepted
+    assert max(m.speculation.mean_accepted_length for m in metrics) > 0
     if kind == "llama":
         reference = load_reference(tiny_model(kind))
         assert [[hf_greedy(reference, p, GREEDY.max_tokens, stop_at_eos=False)] for p in PROMPTS] == expected
@@ -313,3 +320,18 @@ def test_a_request_that_opts_out_or_has_a_grammar_decodes_without_proposals(tiny
                             structured_outputs=StructuredOutputsParams(regex="(ab|cd){1,8}"))
     assert generate(spec, PROMPTS, choice) == generate(plain, PROMPTS, choice)
     assert spec_counts(spec) == before
+
+
+def test_usage_reports_what_speculation_proposed_and_got_accepted():
+    from flexpage.outputs import SpeculationCounts
+    from flexpage.server.engine_loop import Delta
+    from flexpage.server.responses import _Usage
+
+    usage = _Usage(2)
+    usage.update(Delta(0, (), True, 10, 0, SpeculationCounts(8, 6, 3)))
+    usage.update(Delta(1, (), True, 12, 0, SpeculationCounts(4, 0, 2)))
+    assert usage.body()["speculative_decoding"] == {"draft_tokens": 12, "accepted_tokens": 6, "acceptance_rate": 0.5,
+                                                    "mean_accepted_length": 1.2}
+    plain = _Usage(1)
+    plain.update(Delta(0, (), True, 10, 0))
+    assert "speculative_decoding" not in plain.body()

@@ -93,6 +93,7 @@ def _sampling_params(req: Any, max_tokens: int | None, logprobs: int | None,
         n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, seed=req.seed,
         stop=req.stop, stop_token_ids=req.stop_token_ids, logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens, kv_budget=req.kv_budget,
+        num_speculative_tokens=req.num_speculative_tokens,
         structured_outputs=constraint.spec if constraint is not None else None,
     )
     defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,

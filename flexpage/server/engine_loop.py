@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
 from flexpage.model.tensor_parallel import RankFailure
-from flexpage.outputs import Logprob, RequestOutput
+from flexpage.outputs import Logprob, RequestOutput, SpeculationCounts
 
 __all__ = ["Accepted", "Delta", "EngineLoop", "Failed", "SampleDelta", "Sink"]
 
@@ -66,6 +66,8 @@ class Delta:
     finished: bool
     num_prompt_tokens: int
     num_cached_tokens: int
+    #: speculative decoding's counts for the request so far (None: the engine does not speculate)
+    speculation: SpeculationCounts | None = None
 
 
 @dataclass(frozen=True)
@@ -419,7 +421,7 @@ class EngineLoop:
             live.last_token_time = now
         if samples or out.finished:
             self._post(live.sink, Delta(live.tag, tuple(samples), out.finished, len(out.prompt_token_ids),
-                                        out.num_cached_tokens))
+                                        out.num_cached_tokens, out.metrics.speculation if out.metrics else None))
         if out.finished:
             del self._live[out.request_id]
             if self.metrics is not None:

@@ -56,6 +56,7 @@ class ServeSettings:
     tensor_parallel_size: int = 1  # EngineConfig.tensor_parallel_size
     tensor_parallel_timeout: float = 120.0  # EngineConfig.tensor_parallel_timeout
     quantization: str = "auto"  # EngineConfig.quantization
+    speculative_config: str | None = None  # EngineConfig.speculative_config (vLLM's JSON text)
     enable_prefix_caching: bool = True
     swap_space: str = "0"
     preemption_mode: str = "recompute"
@@ -101,7 +102,7 @@ def run_server(settings: ServeSettings) -> int:
         disk_kv_bytes=settings.disk_kv_bytes, kv_tier_policy=settings.kv_tier_policy,
         kv_layout=settings.kv_layout, kv_resident_bytes=settings.kv_resident_bytes,
         tensor_parallel_size=settings.tensor_parallel_size, tensor_parallel_timeout=settings.tensor_parallel_timeout,
-        quantization=settings.quantization,
+        quantization=settings.quantization, speculative_config=settings.speculative_config,
     )
     timings = {"load": 0.0, "warm-up": 0.0}
 

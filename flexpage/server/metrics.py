@@ -67,6 +67,11 @@ _COUNTERS = {
     "flexpage_grammar_compiles": ("grammar_compiles", "Output constraints (schemas, regexes, grammars) compiled "
                                                       "for the first time."),
     "flexpage_grammar_cache_hits": ("grammar_cache_hits", "Output constraints found compiled already."),
+    "flexpage_spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Proposed tokens verified "
+                                                                              "(speculative decoding)."),
+    "flexpage_spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Proposed tokens accepted."),
+    "flexpage_spec_decode_num_drafts": ("spec_decode_num_drafts", "Verifications: sequences' steps that checked "
+                                                                  "proposed tokens."),
     "flexpage_conversation_turns": ("conversation_turns", "Finished turns of requests that named a conversation."),
     "flexpage_conversation_history_tokens": ("conversation_history_tokens", "Tokens of earlier turns that later "
                                                                             "turns carried in their prompts."),

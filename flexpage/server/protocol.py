@@ -147,6 +147,7 @@ class _SamplingFields(_Base):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     kv_budget: Optional[int] = None  # KV tokens kept per layer (flexpage's extra; see SamplingParams.kv_budget)
+    num_speculative_tokens: Optional[int] = None  # flexpage's extra; see SamplingParams.num_speculative_tokens
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputsField] = None
     guided_json: Optional[Union[dict[str, Any], str]] = None  # vLLM's older spellings of structured_outputs

@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from flexpage.outputs import SpeculationCounts
 from flexpage.sampling_params import SamplingParams
 from flexpage.server.engine_loop import Accepted, Delta, Failed, SampleDelta, Sink
 from flexpage.server.protocol import APIError
@@ -139,17 +140,28 @@ class _Usage:
         self.prompt = [0] * num_prompts
         self.cached = [0] * num_prompts
         self.completion = 0
+        self.speculation: list[SpeculationCounts | None] = [None] * num_prompts
 
     def update(self, delta: Delta) -> None:
         self.prompt[delta.tag] = delta.num_prompt_tokens
         self.cached[delta.tag] = max(self.cached[delta.tag], delta.num_cached_tokens)
         self.completion += sum(len(s.token_ids) for s in delta.samples)
+        self.speculation[delta.tag] = delta.speculation
 
     def body(self) -> dict[str, Any]:
         prompt = sum(self.prompt)
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion,
+        body = {"prompt_tokens": prompt, "completion_tokens": self.completion,
                 "total_tokens": prompt + self.completion,
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached)}}
+        counts = [c for c in self.speculation if c is not None]
+        if counts:  # flexpage's extension: what speculative decoding proposed and got accepted
+            total = SpeculationCounts(sum(c.draft_tokens for c in counts), sum(c.accepted_tokens for c in counts),
+                                      sum(c.verifications for c in counts))
+            body["speculative_decoding"] = {
+                "draft_tokens": total.draft_tokens, "accepted_tokens": total.accepted_tokens,
+                "acceptance_rate": round(total.acceptance_rate, 4),
+                "mean_accepted_length": round(total.mean_accepted_length, 4)}
+        return body
 
 
 def _holdback(params: SamplingParams) -> int:

@@ -34,9 +34,11 @@ _KEYS = {
     "draft_model": ("method", "model", "num_speculative_tokens", "disable_by_batch_size"),
 }
 _DEFAULT_LOOKUP = 5  # vLLM's default for both prompt_lookup_min and prompt_lookup_max
-#: decoding sequences above which nothing is proposed (bench/speculative.py measures where
-#: speculation stops paying; vLLM's key, which has no default there)
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+#: decoding sequences above which nothing is proposed (vLLM's key, which has no default there):
+#: ``python -m bench.speculative --crossover`` measured prompt lookup still 1.31x faster at
+#: batch 16 on text worth copying (1.67x at 1, 1.49x at 4, 1.41x at 8), and batch 16 is the
+#: largest it measures
+DEFAULT_DISABLE_BY_BATCH_SIZE = 16
 
 
 def _positive_int(name: str, value: Any) -> int:

@@ -63,6 +63,9 @@ def find_continuations(tokens: np.ndarray, *, min_n: int, max_n: int, k: int,
         return []
     ends, matched = ends[keep], matched[keep]
     order = np.lexsort((-ends, -matched))  # longest match first, then most recent
+    best = int(ends[order[0]])
+    if max_branches == 1 and best + k < length:  # k tokens follow the best match: no other can replace it
+        return [tokens[best + 1 : best + 1 + k].tolist()]
     branches: list[list[int]] = []
     _add_distinct(branches, _continuations(tokens, ends[order], k), k, max_branches)
     return branches

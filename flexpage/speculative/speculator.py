@@ -93,10 +93,16 @@ class Speculator:
         return max(0, min(state.k, wanted, room))
 
     def verified(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        """Record one verification of ``seq``'s ``num_drafts`` proposals and adapt its k."""
+        """Record one verification of ``seq``'s ``num_drafts`` proposals (here and in its
+        request's ``speculation`` counts) and adapt its k."""
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
         self.num_verifications += 1
+        counts = getattr(seq.request, "speculation", None)
+        if counts is not None:
+            counts.draft_tokens += num_drafts
+            counts.accepted_tokens += num_accepted
+            counts.verifications += 1
         state = self._state.get(seq.seq_id)
         if state is None:
             return
