@@ -27,8 +27,9 @@ prefill that is split into chunks never stalls half way for lack of blocks.
 The engine loop is: ``out = schedule()``; run ``out.kv_ops`` in order and the model
 over each scheduled slice; record ``out.scores``; ``mark_computed(out)``; append a
 sampled token to every sequence whose ``ScheduledSequence.sample`` is True (and, after a
-verification, ``accept_drafts``); call ``finish`` on those that stopped. KV operations decided after the plan (``mark_computed``
-packing kept pages, forks, frees) travel in the next step's plan.
+verification, ``accept_drafts``); call ``finish`` on those that stopped. KV operations
+decided after the plan (``mark_computed`` packing kept pages, forks, frees) travel in the
+next step's plan.
 """
 
 from __future__ import annotations

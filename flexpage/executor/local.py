@@ -10,8 +10,7 @@ whose it is); a failure of sampling is found row by row and reported per row.
 
 from __future__ import annotations
 
-import itertools
-from itertools import groupby
+from itertools import accumulate, groupby
 
 import torch
 from torch import Tensor
@@ -91,7 +90,7 @@ class LocalExecutor:
         bitmask allows; rows with proposed tokens verify them."""
         rows = plan.samples
         counts = [1 + len(row.drafts) for row in rows]
-        firsts = list(itertools.accumulate(counts, initial=0))
+        firsts = list(accumulate(counts, initial=0))
         wanted = [row.logits_row + j for row, n in zip(rows, counts) for j in range(n)]
         if wanted != list(range(logits.shape[0])):
             logits = logits[wanted]  # n > 1 samples share their prompt's row
