@@ -830,6 +830,30 @@ def test_serve_with_a_recipe_from_a_file(tiny_model: Any, tmp_path: Any) -> None
         server.stop()
 
 
+def test_serve_with_speculative_decoding_reports_it_in_usage_and_metrics(tiny_model: Any) -> None:
+    """``--speculative-config`` (vLLM's JSON): the same greedy text as a request that opts out,
+    with what was proposed and accepted in ``usage.speculative_decoding`` and /metrics."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
+    server = ServerProcess("--model", str(tiny_model("llama")), "--dtype", "float32", "--eager", "--num-blocks", "64",
+                           "--no-warmup", "--speculative-config", spec)
+    server.start().wait_ready()
+    try:
+        body = {"prompt": "one two three one two three one two", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        done = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120).json()
+        plain = httpx.post(server.base_url + "/v1/completions", json={**body, "num_speculative_tokens": 0},
+                           timeout=120).json()
+        assert done["choices"][0]["text"] == plain["choices"][0]["text"]
+        usage = done["usage"]["speculative_decoding"]
+        assert 0 < usage["accepted_tokens"] <= usage["draft_tokens"]
+        assert usage["acceptance_rate"] == round(usage["accepted_tokens"] / usage["draft_tokens"], 4)
+        assert plain["usage"]["speculative_decoding"]["draft_tokens"] == 0
+        metrics = server.metrics()
+        assert metrics["flexpage_spec_decode_num_draft_tokens_total"] == usage["draft_tokens"]
+        assert metrics["flexpage_spec_decode_num_accepted_tokens_total"] == usage["accepted_tokens"]
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
 def test_a_stream_cut_by_the_drain_timeout_ends_as_aborted(tiny_model: Any, chat: bool) -> None:
     """SIGTERM with a stream that outlives ``--drain-timeout``: the stream ends with an ``abort``
