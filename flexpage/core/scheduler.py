@@ -353,6 +353,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
+        seq.draft_token_ids = []  # proposed after tokens it may recompute: the next proposal is made afresh
         self.num_preemptions += 1
         out.preempted.append(seq)
         bm = self.block_manager
