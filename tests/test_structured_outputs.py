@@ -101,10 +101,15 @@ def test_the_bitmask_masks_exactly_the_tokens_whose_bits_are_clear():
 
 # -- the compiler ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def backend(default_model_path):
+def tokenizer(default_model_path):
     from flexpage.model.loader import load_tokenizer
 
-    return LLGuidanceBackend(load_tokenizer(default_model_path), 49152, [2])
+    return load_tokenizer(default_model_path)
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer):
+    return LLGuidanceBackend(tokenizer, 49152, [2])
 
 
 def test_a_schema_seen_before_costs_no_compile(backend):
@@ -222,3 +227,51 @@ def test_a_grammar_that_cannot_finish_in_max_tokens_ends_with_length(llama, llm_
     sample = out.outputs[0]
     assert sample.finish_reason == "length" and len(sample.token_ids) == 3
     assert re.fullmatch(r"a+", sample.text) and len(sample.text) < 20
+
+
+# -- date and time formats ------------------------------------------------------------------------
+def test_the_date_pattern_allows_exactly_the_days_of_the_gregorian_calendar():
+    """Every day string of leap, common, century and 400-year years, against ``date.fromisoformat``."""
+    import datetime
+
+    from flexpage.structured.json_formats import FORMAT_PATTERNS
+
+    date = FORMAT_PATTERNS["date"]
+    for year in (0, 1, 4, 100, 400, 1900, 2000, 2023, 2024, 2100, 9999):
+        for month in range(0, 14):
+            for day in range(0, 33):
+                text = f"{year:04d}-{month:02d}-{day:02d}"
+                try:
+                    valid = datetime.date.fromisoformat(text) is not None
+                except ValueError:
+                    valid = False
+                assert bool(re.fullmatch(date[1:-1], text)) == valid, text
+
+
+@pytest.mark.parametrize(("fmt", "value", "allowed"), [
+    ("date", "2024-02-29", True), ("date", "2023-02-29", False), ("date", "1900-02-29", False),
+    ("date", "2000-02-29", True), ("date", "0000-01-01", False),  # llguidance alone allows all five
+    ("date-time", "2023-02-29T10:00:00Z", False), ("date-time", "2024-02-29t10:00:00.5+02:00", True),
+    ("time", "23:59:59.123456789Z", True), ("time", "10:00:00.1234567890Z", False),  # at most 9 fraction digits
+])
+def test_dates_and_times_under_a_schema_are_valid_ones(backend, tokenizer, fmt, value, allowed):
+    schema = {"type": "object", "properties": {"at": {"type": "string", "format": fmt}}, "required": ["at"]}
+    matcher = backend.compile(StructuredOutputsParams(json=schema)).matcher()
+    ids = tokenizer.encode(json.dumps({"at": value}), add_special_tokens=False)
+    assert (all(matcher.accept(t) for t in ids) and matcher.is_finished) == allowed
+
+
+def test_only_string_schemas_with_those_formats_and_no_pattern_are_rewritten():
+    from flexpage.structured.json_formats import FORMAT_PATTERNS, calendar_formats
+
+    schema = {"type": "object", "properties": {
+        "format": {"type": "string", "format": "date"},  # a property named "format"
+        "own": {"type": "string", "format": "date", "pattern": "^2024-"},  # its own pattern wins
+        "email": {"type": "string", "format": "email"},
+        "data": {"const": {"format": "date"}, "enum": [{"format": "time"}]},  # data, not schemas
+    }}
+    out = calendar_formats(schema)
+    assert out["properties"]["format"] == {"type": "string", "pattern": FORMAT_PATTERNS["date"]}
+    assert out["properties"]["own"] == schema["properties"]["own"]
+    assert out["properties"]["email"] == schema["properties"]["email"]
+    assert out["properties"]["data"] == schema["properties"]["data"]

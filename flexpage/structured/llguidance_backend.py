@@ -8,6 +8,8 @@ start (~1 us). Masks cost 20-130 us per row; a batch fills on llguidance's own t
 JSON is generated with fixed separators (``", "``, ``": "``) and no free whitespace: a small
 model given free whitespace can emit newlines until ``max_tokens``, and the output never
 parses. Schemas may still ask for other separators with llguidance's ``x-guidance`` key.
+Dates, times and date-times are matched by flexpage's stricter patterns
+(:mod:`flexpage.structured.json_formats`).
 """
 
 from __future__ import annotations
@@ -21,12 +23,23 @@ import torch
 
 from flexpage.errors import InvalidParameter
 from flexpage.structured.backend import bitmask_words
+from flexpage.structured.json_formats import calendar_formats
 from flexpage.structured.params import StructuredOutputsParams
 
 __all__ = ["LLGuidanceBackend"]
 
 #: llguidance's JSON options for every schema (a schema's own ``x-guidance`` overrides them)
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _strict_formats(schema: dict | str) -> str:
+    """The schema's text with :func:`calendar_formats` applied (malformed JSON text as it is:
+    llguidance's message then names what is wrong)."""
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    try:
+        return json.dumps(calendar_formats(json.loads(text)))
+    except ValueError:
+        return text
 
 
 class _Matcher:
@@ -91,8 +104,7 @@ class LLGuidanceBackend:
             if spec.kind == "json_object":
                 return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_DEFAULTS)
             if spec.kind == "json":
-                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+                return llguidance.LLMatcher.grammar_from_json_schema(_strict_formats(spec.json), defaults=JSON_DEFAULTS)
             if spec.kind == "regex":
                 return llguidance.LLMatcher.grammar_from_regex(spec.regex)
             if spec.kind == "choice":
