@@ -311,6 +311,18 @@ def test_seeded_sampling_under_speculation_is_reproducible(tiny_model, llm_facto
 
 
 @engine_test
+def test_a_seeded_request_that_opts_out_draws_as_without_speculation_beside_requests_that_speculate(
+        tiny_model, llm_factory):
+    """Its rows are sampled by the sampler alone even in steps where its neighbours verify proposals."""
+    plain, spec = engines(llm_factory, tiny_model("llama"))
+    seeded = SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True, seed=3, num_speculative_tokens=0)
+    before = spec_counts(spec)
+    batch = spec.generate([{"prompt_token_ids": p} for p in PROMPTS], [GREEDY] * (len(PROMPTS) - 1) + [seeded])
+    assert spec_counts(spec)[1] > before[1]  # the others' proposals were verified in the same steps
+    assert [list(batch[-1].outputs[0].token_ids)] == generate(plain, PROMPTS[-1:], seeded)[0]
+
+
+@engine_test
 def test_a_request_that_opts_out_or_has_a_grammar_decodes_without_proposals(tiny_model, llm_factory):
     plain, spec = engines(llm_factory, tiny_model("llama"))
     before = spec_counts(spec)

@@ -111,15 +111,29 @@ class LocalExecutor:
             result.logprobs.append(logprobs)
 
     def _draw(self, logits: Tensor, rows: list[SampleRow]) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
-        """Per row, its tokens and their logprobs (one each, unless the row verifies proposals)."""
-        if any(row.drafts for row in rows):
-            return verify_chains(logits, [r.drafts for r in rows], [r.params for r in rows],
-                                 [r.history for r in rows], [r.generator for r in rows], self.eos_token_id,
-                                 generator=self._generator)
-        out = sample(logits, [r.params for r in rows], [r.history for r in rows], [r.generator for r in rows],
-                     self.eos_token_id, generator=self._generator)
-        logprobs = out.logprobs or [None] * len(rows)
-        return [([token], [lp]) for token, lp in zip(out.token_ids.tolist(), logprobs)]
+        """Per row, its tokens and their logprobs: one each from the sampler, or, for a row
+        with proposals (``logits`` holds its rows one after another), the accepted proposals
+        and one more. Rows without proposals draw from the sampler alone, as in a step where
+        nothing verifies: a seeded request's tokens do not depend on its neighbours' proposals."""
+        firsts = list(accumulate((1 + len(row.drafts) for row in rows), initial=0))
+        plain = [i for i, row in enumerate(rows) if not row.drafts]
+        drafted = [i for i, row in enumerate(rows) if row.drafts]
+        picks: list = [None] * len(rows)
+        if plain:
+            sub = [rows[i] for i in plain]
+            out = sample(logits[[firsts[i] for i in plain]] if drafted else logits, [r.params for r in sub],
+                         [r.history for r in sub], [r.generator for r in sub], self.eos_token_id,
+                         generator=self._generator)
+            for i, token, lp in zip(plain, out.token_ids.tolist(), out.logprobs or [None] * len(sub)):
+                picks[i] = ([token], [lp])
+        if drafted:
+            sub = [rows[i] for i in drafted]
+            verified = verify_chains(logits[[j for i in drafted for j in range(firsts[i], firsts[i + 1])]],
+                                     [r.drafts for r in sub], [r.params for r in sub], [r.history for r in sub],
+                                     [r.generator for r in sub], self.eos_token_id, generator=self._generator)
+            for i, pick in zip(drafted, verified):
+                picks[i] = pick
+        return picks
 
     def check_health(self) -> None:
         """Raise if a part of the executor outside this process has failed (nothing here)."""
