@@ -198,11 +198,9 @@ class EngineConfig:
         from flexpage.speculative.config import SpeculativeConfig
 
         spec = self.speculative_config
-        if spec is None or isinstance(spec, SpeculativeConfig):
-            pass
-        elif isinstance(spec, str):
+        if isinstance(spec, str):
             spec = SpeculativeConfig.from_json(spec)
-        else:
+        elif spec is not None and not isinstance(spec, SpeculativeConfig):
             spec = SpeculativeConfig.from_dict(spec)
         if spec is not None and spec.method != "ngram":
             raise ValueError(f"speculative_config: method {spec.method!r} is not run by the engine yet; use 'ngram'")

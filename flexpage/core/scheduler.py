@@ -218,9 +218,9 @@ class Scheduler:
         enter the prefix cache only now, with the accepted tokens' hashes); the slots of the
         rejected ones are rewritten by later steps, and blocks that hold only rejected
         positions go back to the pool."""
-        if seq.status is SequenceStatus.RUNNING and num_accepted:
-            seq.num_computed_tokens = self.block_manager.mark_computed(seq, num_accepted)
         if seq.status is SequenceStatus.RUNNING:
+            if num_accepted:
+                seq.num_computed_tokens = self.block_manager.mark_computed(seq, num_accepted)
             self.block_manager.truncate(seq, seq.num_tokens)
         seq.draft_token_ids = []
 

@@ -156,7 +156,7 @@ def step_inputs(scheduled: Iterable[ScheduledSequence],
                 for group, table in zip(inputs.group_block_tables, tables):
                     group.append(table)
             inputs.seq_lens.append(seq_len)
-            inputs.query_lens.append(seq_len - item.start if not item.drafts else 1)
+            inputs.query_lens.append(1 if item.drafts else item.num_new_tokens)
         inputs.evicted_pages |= seq.num_evicted_blocks > 0
         if item.sample:  # the last row, and the rows of proposed tokens before it
             last = len(inputs.token_ids)

@@ -45,9 +45,7 @@ class Speculator:
     docstring); counts what it proposed and what was accepted."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        if config.method != "ngram":
-            raise ValueError(f"speculative_config: method {config.method!r} is not run by the engine yet "
-                             f"(only 'ngram')")
+        """``config``: an ``ngram`` configuration (``EngineConfig`` refuses the others by name)."""
         self.config = config
         self.max_model_len = max_model_len
         self.proposer = NgramProposer(config)
