@@ -48,6 +48,7 @@ import numpy as np
 from bench.anchors import VOCAB_RANGE
 
 DEFAULT_OUT = Path("bench/results/speculative.json")
+DRAFT_OUT = Path("bench/results/speculative_draft.json")
 K, LOOKUP_MIN, LOOKUP_MAX = 3, 2, 3
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": LOOKUP_MIN,
                "prompt_lookup_max": LOOKUP_MAX}
@@ -187,14 +188,23 @@ def main() -> None:
     p.add_argument("--deterministic", action="store_true", help="both engines deterministic (bf16 identity)")
     p.add_argument("--openvino-python", default=None)
     p.add_argument("--openvino-model", default=None)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--draft-layers", type=int, default=None,
+                   help="propose with a draft model: the default model's first N layers and its LM head")
+    p.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT} ({DRAFT_OUT} with a draft)")
     args = p.parse_args()
 
     from flexpage import LLM, SamplingParams
 
     started = time.perf_counter()
     config = {"dtype": args.dtype, "deterministic": args.deterministic}
-    plain, spec = LLM(**config), LLM(speculative_config=SPECULATIVE, **config)
+    speculative = SPECULATIVE
+    if args.draft_layers is not None:
+        from flexpage.speculative.draft_model import save_layer_draft
+
+        folder = save_layer_draft(None, args.draft_layers, tempfile.mkdtemp(prefix="flexpage-draft-"))
+        speculative = {"method": "draft_model", "model": folder, "num_speculative_tokens": K}
+    out = args.out or (DEFAULT_OUT if args.draft_layers is None else DRAFT_OUT)
+    plain, spec = LLM(**config), LLM(speculative_config=speculative, **config)
     for llm in (plain, spec):
         llm.engine.warm_up()
     tokenizer = plain.engine.tokenizer
@@ -206,7 +216,8 @@ def main() -> None:
         grounded, noise, rounds, max_tokens, random_tokens = grounded[::4], noise[:4], 1, 32, 16
     result: dict[str, Any] = {"model": "SmolLM2-135M-Instruct (default)", "dtype": str(plain.engine.dtype),
                               "deterministic": args.deterministic,
-                              "speculative_config": {**SPECULATIVE, "disable_by_batch_size":
+                              "draft_layers": args.draft_layers,
+                              "speculative_config": {**speculative, "disable_by_batch_size":
                                                      spec.engine.speculator.config.disable_by_batch_size},
                               "rounds": rounds, "ready_s": time.perf_counter() - started, "runs": {}}
     print(f"ready in {result['ready_s']:.0f} s", flush=True)
@@ -259,9 +270,9 @@ def main() -> None:
     if "speculative_over_openvino_lookup_b1" in result:
         result["targets"]["grounded_b1_ge_openvino_lookup"] = result["speculative_over_openvino_lookup_b1"] >= 1.0
     print("targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in result["targets"].items()))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

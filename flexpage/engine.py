@@ -40,6 +40,7 @@ from flexpage.model.sampler import TokenHistory, make_generator
 from flexpage.output_processor import OutputProcessor, Request
 from flexpage.outputs import RequestOutput, SpeculationCounts
 from flexpage.sampling_params import SamplingParams
+from flexpage.speculative.draft_model import DraftModelProposer
 from flexpage.speculative.speculator import Speculator
 from flexpage.structured.backend import GrammarMatcher
 from flexpage.structured.compiler import GrammarCompiler
@@ -94,14 +95,27 @@ class LLMEngine:
         #: compiled grammars of structured outputs, by constraint (thread-safe: a server compiles in its threads)
         self.grammars = GrammarCompiler(lambda: LLGuidanceBackend(self.tokenizer, self.vocab_size, self.eos_token_ids))
         #: speculative decoding's proposals (None: one token per step)
-        self.speculator = (Speculator(config.speculative_config, self.max_model_len)
-                           if config.speculative_config is not None else None)
+        self.speculator = self._speculator(kv.num_blocks) if config.speculative_config is not None else None
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0}
         #: per conversation id: turns and how much of their history the cache served
         self.conversations = ConversationRegistry()
+
+    def _speculator(self, num_blocks: int) -> Speculator:
+        spec = self.config.speculative_config
+        if spec.method == "ngram":
+            return Speculator(spec, self.max_model_len)
+        # the draft's pool: as many tokens as the target's, plus a block per sequence for the
+        # proposals; its block is the target's attention block (one allocation run)
+        draft_block = self.config.block_size * self.config.blocks_per_attention_block(self.dtype)
+        tokens = num_blocks * self.config.block_size
+        proposer = DraftModelProposer(
+            spec.model, dtype=self.dtype, vocab_size=self.vocab_size, block_size=draft_block,
+            num_blocks=-(-tokens // draft_block) + self.config.max_num_seqs, compile=self.runner.compile,
+            compile_step=self.config.compile_step)
+        return Speculator(spec, self.max_model_len, proposer)
 
     @property
     def runner(self) -> ModelRunner:

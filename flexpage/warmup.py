@@ -53,6 +53,8 @@ def warm_up(engine: LLMEngine) -> float:
     if engine.requests:
         raise ValueError(f"warm_up: the engine has {len(engine.requests)} unfinished requests; warm up an idle one")
     start = time.perf_counter()
+    if engine.speculator is not None:
+        engine.speculator.proposer.warm_up()
     if engine.executor.runner.compact is not None:
         engine.executor.runner.compact.prime(engine.config.max_num_batched_tokens, engine.config.max_num_seqs)
 

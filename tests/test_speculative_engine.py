@@ -215,8 +215,6 @@ def test_k_adapts_to_acceptance_and_outright_rejections_back_off():
 def test_engine_options_that_do_not_combine_are_refused_by_name():
     with pytest.raises(UnsupportedCombination, match="speculative_config.*kv_budget|kv_budget.*speculative_config"):
         EngineConfig(speculative_config=NGRAM, kv_budget_tokens=64, block_size=8)
-    with pytest.raises(ValueError, match="method 'draft_model' is not run by the engine yet"):
-        EngineConfig(speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="max_branches=2"):
         EngineConfig(speculative_config={**NGRAM, "max_branches": 2})
     assert EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}').speculative_config \

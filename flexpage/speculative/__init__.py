@@ -6,6 +6,8 @@
   (``recipes/tree_verification.py``);
 * :mod:`~flexpage.speculative.ngram` -- prompt lookup (vLLM's ``ngram`` method), several
   matches as several branches;
+* :mod:`~flexpage.speculative.draft_model` -- a draft model (vLLM's ``draft_model`` method)
+  on its own runner and KV pool;
 * :mod:`~flexpage.speculative.rejection` -- verification: greedy, and rejection sampling that
   keeps the target's distribution, for chains (batched) and trees.
 

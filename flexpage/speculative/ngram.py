@@ -146,6 +146,13 @@ class NgramProposer:
                                       max_branches=cfg.max_branches)
         return DraftTree.from_branches(int(token_ids[-1]), branches)
 
+    def propose_chains(self, wanted: Sequence[tuple[int, Sequence[int], int]]) -> list[list[int]]:
+        """Per ``(seq_id, token_ids, k)``, the best continuation's tokens (empty: no match)."""
+        return [list(self.propose(seq_id, token_ids, k=k).proposals) for seq_id, token_ids, k in wanted]
+
+    def warm_up(self) -> None:
+        """Nothing to build: prompt lookup runs no model."""
+
     def release(self, seq_id: int) -> None:
         """Forget a finished or preempted sequence's mirror."""
         self._sequences.pop(seq_id, None)

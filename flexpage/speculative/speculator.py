@@ -11,7 +11,7 @@ verification (:meth:`Speculator.verified`), which adapts that sequence's k:
   worth copying costs the n-gram lookup and little else;
 * **under load**: with more than ``disable_by_batch_size`` sequences decoding (vLLM's key of
   the same name), nothing is proposed: a batch of decodes already reads each weight once for
-  many tokens, and verification rows run the slower prefill path of attention.
+  many tokens, so extra rows cost compute the batch could spend on other sequences.
 
 What a request never speculates on: a grammar (its matcher would have to accept and roll
 back proposals), a KV budget (refused with the engine option, see :mod:`flexpage.features`),
@@ -21,14 +21,15 @@ its last token before ``max_tokens`` or ``max_model_len`` (no proposal runs past
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence as Seq
 from dataclasses import dataclass
+from typing import Protocol
 
 from flexpage.core.sequence import Sequence, SequenceStatus
 from flexpage.speculative.config import SpeculativeConfig
 from flexpage.speculative.ngram import NgramProposer
 
-__all__ = ["Speculator"]
+__all__ = ["Proposer", "Speculator"]
 
 _MAX_BACKOFF = 8  # steps a sequence whose proposals keep failing waits before proposing again
 
@@ -40,15 +41,33 @@ class _Adaptive:
     backoff: int = 0  # the next skip after a proposal rejected outright
 
 
+class Proposer(Protocol):
+    """What proposes tokens: :class:`~flexpage.speculative.ngram.NgramProposer` or
+    :class:`~flexpage.speculative.draft_model.DraftModelProposer`."""
+
+    def propose_chains(self, wanted: Seq[tuple[int, Seq[int], int]]) -> list[list[int]]:
+        """Per ``(seq_id, token_ids, k)``, at most ``k`` tokens that may follow ``token_ids``."""
+        ...
+
+    def release(self, seq_id: int) -> None:
+        """Forget a sequence that left the running batch."""
+        ...
+
+    def warm_up(self) -> None:
+        """Build what the first proposals would otherwise wait for (a draft model's kernels)."""
+        ...
+
+
 class Speculator:
     """Proposals for decoding sequences, adapted per sequence and to the batch (see the module
     docstring); counts what it proposed and what was accepted."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        """``config``: an ``ngram`` configuration (``EngineConfig`` refuses the others by name)."""
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None) -> None:
+        """``proposer``: None for prompt lookup over ``config`` (a draft model's proposer is
+        built by the engine, which knows the target's dtype and pool)."""
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(config)
+        self.proposer: Proposer = NgramProposer(config) if proposer is None else proposer
         self._state: dict[int, _Adaptive] = {}
         #: proposed tokens that were verified, and how many of them were accepted
         self.num_draft_tokens = 0
@@ -67,10 +86,10 @@ class Speculator:
             seq.draft_token_ids = []
         if len(decoding) > self.config.disable_by_batch_size:
             return
-        for seq in decoding:
-            k = self._k(seq)
-            if k:
-                seq.draft_token_ids = list(self.proposer.propose(seq.seq_id, seq.token_ids, k=k).proposals)
+        wanted = [(seq, k) for seq in decoding if (k := self._k(seq))]
+        chains = self.proposer.propose_chains([(seq.seq_id, seq.token_ids, k) for seq, k in wanted])
+        for (seq, _), chain in zip(wanted, chains):
+            seq.draft_token_ids = chain
 
     def _k(self, seq: Sequence) -> int:
         """How many tokens ``seq`` may propose this step (0: none)."""
