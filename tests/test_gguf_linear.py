@@ -127,6 +127,21 @@ def test_bf16_rows_see_exactly_the_bf16_models_weights(kind, out_features, in_fe
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_bf16_rows_up_to_four_round_each_weight_plus_bias_once(kind, rows):
+    """The few-row path widens x and rounds y itself: one-hot rows give each output exactly one
+    float32 weight plus its bias, rounded to nearest-even once (what Tensor.to(bfloat16) gives)."""
+    raw = _blocks(kind, 96, 128, seed=rows)
+    weight, bias = gguf_linear.expand(kind, raw), torch.randn(96).bfloat16()
+    x = torch.eye(128)[[5, 77, 0, 127][:rows]].bfloat16()
+    out = gguf_linear.block_linear(x, gguf_linear.repack(kind, raw), bias)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, (weight[:, [5, 77, 0, 127][:rows]].T + bias.float()).bfloat16())
+    no_bias = gguf_linear.block_linear(x, gguf_linear.repack(kind, raw), None)
+    assert torch.equal(no_bias, weight[:, [5, 77, 0, 127][:rows]].T.bfloat16())
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("in_features", [256, 96])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 12, 13, 25, 100])
 def test_bf16_rows_match_float64_to_bf16_rounding(kind, rows, in_features):

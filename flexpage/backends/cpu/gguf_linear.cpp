@@ -261,12 +261,13 @@ struct Q8_0 {
   }
 };
 
-// y[i * ldy] = sum_k x[i, k] * w[k] (float32) for R <= kDotRows input rows and one output row's
-// blocks, expanded in 16-wide registers: the AVX2 rows_times_weight_row above at half the
-// instructions, with four accumulator chains per row (two blocks per step)
+// y[i * ldy] = bf16(sum_k x[i, k] * w[k] + bias) (the sum in float32, rounded once to nearest-even)
+// for R <= kDotRows input rows and one output row's blocks, expanded in 16-wide registers: the
+// AVX2 rows_times_weight_row above at half the instructions, with four accumulator chains per
+// row (two blocks per step)
 template <typename Format, int R>
 __attribute__((always_inline)) inline void rows_times_weight_row(const float* x, int64_t K, const uint8_t* blocks,
-                                                                 float* y, int64_t ldy) {
+                                                                 const float* bias, at::BFloat16* y, int64_t ldy) {
   __m512 acc[R][4];
   for (int i = 0; i < R; ++i)
     for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
@@ -284,26 +285,40 @@ __attribute__((always_inline)) inline void rows_times_weight_row(const float* x,
     for (int i = 0; i < R; ++i)
       for (int c = 0; c < 2; ++c) acc[i][c] = _mm512_fmadd_ps(w[c], _mm512_loadu_ps(x + i * K + k + 16 * c), acc[i][c]);
   }
-  for (int i = 0; i < R; ++i)
-    y[i * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(acc[i][2], acc[i][3])));
+  for (int i = 0; i < R; ++i) {
+    float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(acc[i][2], acc[i][3])));
+    if (bias != nullptr) sum += *bias;
+    y[i * ldy] = at::BFloat16(sum);
+  }
 }
 
-// Output rows [begin, end) of y = x @ W.T for rows <= kDotRows input rows (float32), prefetching
-// the blocks of the output row two ahead (7-36 cache lines for these models)
+// out[i] = float32(bits[i]) for bf16 bits (exact)
+inline void widen(const uint16_t* bits, int64_t count, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + i));
+    _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16)));
+  }
+  for (; i < count; ++i) out[i] = static_cast<float>(at::BFloat16(bits[i], at::BFloat16::from_bits()));
+}
+
+// Output rows [begin, end) of y = x @ W.T + bias for rows <= kDotRows input rows (x in float32,
+// y in bf16), prefetching the blocks of the output row two ahead (7-36 cache lines for these models)
 template <typename Format>
-void output_rows(const float* x, int64_t rows, int64_t K, const uint8_t* blocks, float* y, int64_t N, int64_t begin,
-                 int64_t end) {
+void output_rows(const float* x, int64_t rows, int64_t K, const uint8_t* blocks, const float* bias, at::BFloat16* y,
+                 int64_t N, int64_t begin, int64_t end) {
   const int64_t row_bytes = K / kBlock * Format::kBytes, lines = (row_bytes + 63) / 64;
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* w = blocks + n * row_bytes;
     if (n + 2 < end)
       for (int64_t line = 0; line < lines; ++line)
         _mm_prefetch(reinterpret_cast<const char*>(w + 2 * row_bytes) + 64 * line, _MM_HINT_T0);
+    const float* b = bias == nullptr ? nullptr : bias + n;
     switch (rows) {
-      case 4: rows_times_weight_row<Format, 4>(x, K, w, y + n, N); break;
-      case 3: rows_times_weight_row<Format, 3>(x, K, w, y + n, N); break;
-      case 2: rows_times_weight_row<Format, 2>(x, K, w, y + n, N); break;
-      default: rows_times_weight_row<Format, 1>(x, K, w, y + n, N); break;
+      case 4: rows_times_weight_row<Format, 4>(x, K, w, b, y + n, N); break;
+      case 3: rows_times_weight_row<Format, 3>(x, K, w, b, y + n, N); break;
+      case 2: rows_times_weight_row<Format, 2>(x, K, w, b, y + n, N); break;
+      default: rows_times_weight_row<Format, 1>(x, K, w, b, y + n, N); break;
     }
   }
 }
@@ -465,24 +480,32 @@ at::Tensor bf16_block_linear(const at::Tensor& x, const at::Tensor& blocks, cons
   return out;
 }
 
-// x @ W.T + bias in bf16 for up to bf16::kDotRows rows, in float32 16-wide, x validated
+// x @ W.T + bias in bf16 for up to bf16::kDotRows rows, in float32 16-wide, x validated. x is
+// widened to float32 and y rounded to bf16 here, not by ATen copies around the call: a batch-1
+// step makes 121 of these calls, and two tensor copies each cost more than the widening itself.
+// The result is the same bits as the copies gave (bf16 -> float32 is exact; the sum plus the
+// bias is rounded once, to nearest-even, as Tensor.to rounds).
 at::Tensor bf16_rows_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
                             bool q4_1) {
   const int64_t K = x.size(1), N = blocks.size(0), rows = x.size(0);
-  const at::Tensor input = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({rows, N}, input.options());
-  const float* xp = input.data_ptr<float>();
+  const at::Tensor input = x.contiguous();
+  std::vector<float> wide(rows * K);
+  bf16::widen(reinterpret_cast<const uint16_t*>(input.data_ptr<at::BFloat16>()), rows * K, wide.data());
+  at::Tensor bias32;
+  if (bias.has_value() && bias->defined()) bias32 = bias->to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({rows, N}, x.options());
+  const float* xp = wide.data();
+  const float* biasp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
-  float* yp = out.data_ptr<float>();
+  at::BFloat16* yp = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     if (q4_1) {
-      bf16::output_rows<bf16::Q4_1>(xp, rows, K, bp, yp, N, begin, end);
+      bf16::output_rows<bf16::Q4_1>(xp, rows, K, bp, biasp, yp, N, begin, end);
     } else {
-      bf16::output_rows<bf16::Q8_0>(xp, rows, K, bp, yp, N, begin, end);
+      bf16::output_rows<bf16::Q8_0>(xp, rows, K, bp, biasp, yp, N, begin, end);
     }
   });
-  if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat));
-  return out.to(at::kBFloat16);
+  return out;
 }
 
 // x @ W.T + bias from the blocks, for any number of rows, in x's dtype: float32, or bf16 (where
