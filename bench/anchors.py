@@ -17,6 +17,11 @@ no prefix cache helps:
 * ``decode_ms``: batch-1 decode per token, (65-token request - 1-token request) / 64 (median of 3);
 * ``ready_s``: process start to ready (imports, load, warm-up); ``peak_rss_mb``.
 
+After the rounds, the batch-1 decode step's **weight-read floor** per engine: the weight bytes
+one step reads (flexpage: the GGUF's tensors as its block kernel reads them; OpenVINO: its IR's
+weights file) over the read bandwidth measured here (torch's sum over 1 GiB, this process's
+threads), and ``decode_ms`` over that floor.
+
 OpenVINO GenAI runs in its own virtual environment (its exporter pulls packages that
 would replace the CPU torch; install notes in docs/anchors.md). ``--openvino-python``
 names that environment's python (default: ``$FLEXPAGE_OPENVINO_PYTHON``); without it only
@@ -126,6 +131,51 @@ def run_worker(engine_name: str, seed: int, ov_model: str) -> dict:
     }
 
 
+def read_bandwidth_gbs(size_mb: int = 1024, reps: int = 7) -> float:
+    """What this process's threads read from memory, GB/s: torch's sum over a buffer far larger
+    than the caches (median of ``reps``)."""
+    import torch
+
+    buffer = torch.ones(size_mb * 2**20 // 4)
+    buffer.sum()
+    return buffer.numel() * 4 / statistics.median(timed(buffer.sum) for _ in range(reps)) / 1e9
+
+
+#: bytes per 32 weights as GGUF stores them and as flexpage's block kernel reads them (its
+#: repacked blocks keep the scales in float32: flexpage.model.gguf_linear.repack)
+_BLOCK_BYTES = {"Q4_1": (20, 24), "Q8_0": (34, 36)}
+
+
+def step_weight_bytes(ov_model: Path | None) -> dict[str, int]:
+    """Weight bytes one batch-1 decode step reads, per engine: flexpage's default engine reads
+    every tensor of the GGUF once (the embedding as the LM head, the projections as the block
+    kernel's blocks); OpenVINO its IR's weights file (an upper bound where it stores tied weights twice)."""
+    from flexpage.model.gguf_file import gguf_tensors
+    from flexpage.model.loader import _default_gguf_path
+
+    flexpage_bytes = 0
+    for tensor in gguf_tensors(_default_gguf_path()):
+        stored, read = _BLOCK_BYTES.get(tensor.type_name, (1, 1))
+        flexpage_bytes += tensor.data.shape[0] * read // stored
+    sizes = {"flexpage": flexpage_bytes}
+    if ov_model is not None and (ov_model / "openvino_model.bin").exists():
+        sizes["openvino"] = (ov_model / "openvino_model.bin").stat().st_size
+    return sizes
+
+
+def weight_read_floor(table: dict, ov_model: Path | None) -> dict:
+    """Per engine: the batch-1 decode step's weight-read floor (its weight bytes / the measured
+    read bandwidth) and the measured decode time over it."""
+    bandwidth = read_bandwidth_gbs()
+    floor = {"read_gb_s": bandwidth}
+    for engine, weight_bytes in step_weight_bytes(ov_model).items():
+        if engine in table:
+            floor_ms = weight_bytes / bandwidth / 1e6
+            floor[engine] = {"weight_mb": weight_bytes / 1e6, "floor_ms": floor_ms,
+                             "decode_over_floor": table[engine]["decode_ms"] / floor_ms}
+    return floor
+
+
 def export_openvino_model(python: str, out: Path) -> None:
     """Export SmolLM2-135M-Instruct (flexpage's cached HF folder) to OpenVINO IR, fp16 weights."""
     from flexpage.model.loader import resolve_model_path
@@ -226,6 +276,12 @@ def main() -> None:
     for key in ("flexpage_over_openvino", "compiled_step_over_layered", "default_over_float32"):
         if key in result:
             print(f"{key}: " + ", ".join(f"{m} {v:.2f}" for m, v in result[key].items()))
+    result["weight_read_floor"] = floor = weight_read_floor(result["median"],
+                                                            args.openvino_model if args.openvino_python else None)
+    for engine, row in floor.items():
+        if engine != "read_gb_s":
+            print(f"batch-1 decode floor, {engine}: {row['weight_mb']:.0f} MB of weights / {floor['read_gb_s']:.1f} "
+                  f"GB/s = {row['floor_ms']:.2f} ms; measured {row['decode_over_floor']:.2f}x that")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

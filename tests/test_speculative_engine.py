@@ -212,6 +212,36 @@ def test_k_adapts_to_acceptance_and_outright_rejections_back_off():
     assert (spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_verifications) == (7, 2, 3)
 
 
+class AlwaysProposes:
+    """A proposer stub: one token for every sequence asked."""
+
+    def propose_chains(self, wanted):
+        return [[5] for _ in wanted]
+
+    def release(self, seq_id):
+        pass
+
+    def warm_up(self):
+        pass
+
+
+@pytest.mark.parametrize(("spec", "longest"), [(NGRAM, 8), ({"model": "/m/draft", "num_speculative_tokens": 4}, 64)])
+def test_outright_rejections_back_off_doubling_up_to_a_cap_that_depends_on_the_proposers_cost(spec, longest):
+    speculator = Speculator(SpeculativeConfig.from_dict(spec), max_model_len=4096, proposer=AlwaysProposes())
+    seq = decoding(0, [1, 2, 3])
+    waits, waited = [], 0
+    while len(waits) < 9:
+        speculator.propose([seq])
+        if seq.draft_token_ids:
+            waits.append(waited)
+            waited = 0
+            speculator.verified(seq, 1, 0)
+        else:
+            waited += 1
+    expected = [0, 1, 2, 4, 8, 16, 32, 64, 64]
+    assert waits == [min(w, longest) for w in expected]
+
+
 def test_engine_options_that_do_not_combine_are_refused_by_name():
     with pytest.raises(UnsupportedCombination, match="speculative_config.*kv_budget|kv_budget.*speculative_config"):
         EngineConfig(speculative_config=NGRAM, kv_budget_tokens=64, block_size=8)

@@ -7,8 +7,8 @@ verification (:meth:`Speculator.verified`), which adapts that sequence's k:
 
 * **per sequence**: k grows by one after a fully accepted proposal and drops to one more
   than the accepted count otherwise; a proposal rejected outright makes the sequence
-  skip proposing for 1, 2, 4, then 8 steps (reset by any acceptance), so text with nothing
-  worth copying costs the n-gram lookup and little else;
+  skip proposing for 1, 2, 4, then 8 steps (up to 64 with a draft model; reset by any
+  acceptance), so text with nothing worth copying costs the n-gram lookup and little else;
 * **under load**: with more than ``disable_by_batch_size`` sequences decoding (vLLM's key of
   the same name), nothing is proposed: a batch of decodes already reads each weight once for
   many tokens, so extra rows cost compute the batch could spend on other sequences.
@@ -31,7 +31,11 @@ from flexpage.speculative.ngram import NgramProposer
 
 __all__ = ["Proposer", "Speculator"]
 
-_MAX_BACKOFF = 8  # steps a sequence whose proposals keep failing waits before proposing again
+#: the most steps a sequence whose proposals keep failing waits before proposing again: prompt
+#: lookup costs microseconds, a draft model a forward per proposed token plus catching up on
+#: the tokens it skipped (``bench.speculative --draft-layers 4``: a draft that is almost never
+#: right cost 0.86x at 8 steps)
+MAX_BACKOFF = {"ngram": 8, "draft_model": 64}
 
 
 @dataclass(slots=True)
@@ -130,7 +134,7 @@ class Speculator:
         if num_accepted:
             state.backoff = 0
         else:
-            state.backoff = min(_MAX_BACKOFF, max(1, 2 * state.backoff))
+            state.backoff = min(MAX_BACKOFF[self.config.method], max(1, 2 * state.backoff))
             state.skip = state.backoff
 
     @property
