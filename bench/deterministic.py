@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.anchors import DEFAULT_OV_MODEL, METRICS, run_round, summarise, workload
+from bench.anchors import METRICS, run_round, summarise, workload
 
 ENGINES = ("flexpage", "flexpage-deterministic")
 
@@ -103,7 +103,7 @@ def main() -> None:
     rounds = []
     for r in range(args.rounds):
         for engine in ENGINES if r % 2 == 0 else reversed(ENGINES):
-            rounds.append(run_round(engine, seed=r, python=sys.executable, ov_model=DEFAULT_OV_MODEL))
+            rounds.append(run_round(engine, seed=r, python=sys.executable, model=Path()))
             print(f"round {r} {engine}: " + ", ".join(f"{m} {rounds[-1][m]:.1f}" for m in METRICS), flush=True)
     result = {"rounds": args.rounds, **summarise(rounds)}
     default, deterministic = (result["median"][e] for e in ENGINES)
