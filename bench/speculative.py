@@ -201,7 +201,8 @@ def main() -> None:
     if args.draft_layers is not None:
         from flexpage.speculative.draft_model import save_layer_draft
 
-        folder = save_layer_draft(None, args.draft_layers, tempfile.mkdtemp(prefix="flexpage-draft-"))
+        draft_dir = tempfile.TemporaryDirectory(prefix="flexpage-draft-")  # removed when the run ends
+        folder = save_layer_draft(None, args.draft_layers, draft_dir.name)
         speculative = {"method": "draft_model", "model": folder, "num_speculative_tokens": K}
     out = args.out or (DEFAULT_OUT if args.draft_layers is None else DRAFT_OUT)
     plain, spec = LLM(**config), LLM(speculative_config=speculative, **config)

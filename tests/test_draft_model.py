@@ -10,11 +10,14 @@ proposals accepted, some rolled back).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from engine_models import hf_greedy, load_reference, random_prompts
 from flexpage import SamplingParams
+from flexpage.core import Sequence, SequenceStatus
 from flexpage.speculative.draft_model import DraftModelProposer, save_layer_draft
 
 engine_test = pytest.mark.usefixtures("single_torch_thread", "kv_blocks_returned")
@@ -77,12 +80,15 @@ def test_batched_proposals_equal_one_at_a_time_and_blocks_come_back(first_layer_
 
 def test_a_full_draft_pool_takes_blocks_from_idle_sequences_then_proposes_nothing(first_layer_draft):
     small = proposer(first_layer_draft, num_blocks=8)  # 64 tokens
-    assert small.propose_chains([(0, PROMPTS[1], 2)])[0]  # 42 positions: 6 blocks
+    assert small.propose_chains([(0, PROMPTS[1], 2)])[0]  # 41 positions: 6 blocks
     # sequence 0 does not propose this step: its blocks go to sequence 1
     assert small.propose_chains([(1, PROMPTS[0], 2)])[0]
     # both at once do not fit (6 + 3 blocks): the one that does not fit proposes nothing
     chains = small.propose_chains([(1, PROMPTS[0], 2), (0, PROMPTS[1], 2)])
     assert chains[0] and chains[1] == []
+    # a sequence longer than the whole pool evicts nobody: sequence 1 keeps its 3 blocks
+    assert small.propose_chains([(2, PROMPTS[1] * 3, 2)]) == [[]]
+    assert small.num_free_blocks == small.num_blocks - 3
     small.release(0)
     small.release(1)
     assert small.num_free_blocks == small.num_blocks
@@ -92,6 +98,28 @@ def test_a_draft_with_another_vocabulary_is_refused_by_name(tiny_model):
     with pytest.raises(ValueError, match="vocabulary of 49152 tokens, the target's has 32000"):
         DraftModelProposer(str(tiny_model("llama")), dtype=torch.float32, vocab_size=32000, block_size=8,
                            num_blocks=4, compile=False)
+
+
+def test_a_failed_draft_forward_gives_its_sequences_blocks_back_and_the_step_proposes_nothing(first_layer_draft):
+    from flexpage.speculative.config import SpeculativeConfig
+    from flexpage.speculative.speculator import Speculator
+
+    failing = proposer(first_layer_draft)
+    failing.propose_chains([(0, PROMPTS[0], 2)])
+
+    def broken(inputs):
+        raise RuntimeError("draft forward failed")
+
+    failing._argmax = broken
+    speculator = Speculator(SpeculativeConfig.from_dict(draft_config(first_layer_draft)), max_model_len=2048,
+                            proposer=failing)
+    seq = Sequence(0, [*PROMPTS[0], 7], max_tokens=100,
+                   request=SimpleNamespace(params=SamplingParams(), grammars=None))
+    seq.status = SequenceStatus.RUNNING
+    seq.num_computed_tokens = seq.num_tokens - 1
+    speculator.propose([seq])
+    assert seq.draft_token_ids == []
+    assert failing.num_free_blocks == failing.num_blocks
 
 
 @engine_test

@@ -129,8 +129,9 @@ def test_bf16_rows_see_exactly_the_bf16_models_weights(kind, out_features, in_fe
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_bf16_rows_up_to_four_round_each_weight_plus_bias_once(kind, rows):
-    """The few-row path widens x and rounds y itself: one-hot rows give each output exactly one
-    float32 weight plus its bias, rounded to nearest-even once (what Tensor.to(bfloat16) gives)."""
+    """One-hot rows give each output exactly one float32 weight plus its bias, rounded to
+    nearest-even once (what Tensor.to(bfloat16) gives): where the CPU has AVX512-BF16 the few-row
+    kernel widens x and rounds y itself, elsewhere the float32 path runs between two copies."""
     raw = _blocks(kind, 96, 128, seed=rows)
     weight, bias = gguf_linear.expand(kind, raw), torch.randn(96).bfloat16()
     x = torch.eye(128)[[5, 77, 0, 127][:rows]].bfloat16()
@@ -139,6 +140,13 @@ def test_bf16_rows_up_to_four_round_each_weight_plus_bias_once(kind, rows):
     assert torch.equal(out, (weight[:, [5, 77, 0, 127][:rows]].T + bias.float()).bfloat16())
     no_bias = gguf_linear.block_linear(x, gguf_linear.repack(kind, raw), None)
     assert torch.equal(no_bias, weight[:, [5, 77, 0, 127][:rows]].T.bfloat16())
+
+
+def test_a_bias_of_the_wrong_length_is_refused():
+    blocks = gguf_linear.repack("Q4_1", _blocks("Q4_1", 64, 64))
+    for dtype in (torch.float32, torch.bfloat16):
+        with pytest.raises(RuntimeError, match="bias has 63 values, the blocks 64 outputs|size|shape"):
+            gguf_linear.block_linear(torch.randn(1, 64, dtype=dtype), blocks, torch.randn(63, dtype=dtype))
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -87,6 +87,15 @@ class DraftModelProposer:
                 rows.append((i, state, start))
         if not rows:
             return chains
+        try:
+            return self._run(wanted, rows, chains)
+        except BaseException:
+            for seq_id, _, _ in wanted:  # what the failed forward wrote is unknown: start these over
+                self.release(seq_id)
+            raise
+
+    def _run(self, wanted: Sequence[tuple[int, Sequence[int], int]], rows: list[tuple[int, _DraftSequence, int]],
+             chains: list[list[int]]) -> list[list[int]]:
         # 1. catch up: every unseen token, the last row's argmax is the first proposal
         inputs = StepInputs([], [], [], [], [])
         for i, state, start in rows:
@@ -96,9 +105,9 @@ class DraftModelProposer:
             inputs.seq_lens.append(len(token_ids))
             inputs.query_lens.append(len(token_ids) - start)
             inputs.sample_rows.append(len(inputs.token_ids) - 1)
-            state.fed.extend(token_ids[start:])
         last = self._argmax(inputs)
-        for (i, _, _), token in zip(rows, last):
+        for (i, state, start), token in zip(rows, last):
+            state.fed.extend(wanted[i][1][start:])
             chains[i].append(token)
         # 2. one decode row per sequence still short of its k
         while True:
@@ -107,13 +116,13 @@ class DraftModelProposer:
                 return chains
             inputs = StepInputs([], [], [], [], [])
             for row, (i, state) in enumerate(going):
-                state.fed.append(chains[i][-1])
                 inputs.token_ids.append(chains[i][-1])
                 inputs.block_tables.append(state.blocks)
-                inputs.seq_lens.append(len(state.fed))
+                inputs.seq_lens.append(len(state.fed) + 1)
                 inputs.query_lens.append(1)
                 inputs.sample_rows.append(row)
-            for (i, _), token in zip(going, self._argmax(inputs)):
+            for (i, state), token in zip(going, self._argmax(inputs)):
+                state.fed.append(chains[i][-1])
                 chains[i].append(token)
 
     def warm_up(self) -> None:
@@ -132,15 +141,15 @@ class DraftModelProposer:
         """Blocks for ``num_tokens`` positions of ``state``, taking them from sequences not in
         ``busy`` when the free list runs short; False (and ``state`` emptied) if they do not fit."""
         needed = -(-num_tokens // self.block_size) - len(state.blocks)
-        idle = (seq_id for seq_id in list(self._sequences) if seq_id not in busy)
+        idle = [seq_id for seq_id in self._sequences if seq_id not in busy]
+        if needed > len(self._free) + sum(len(self._sequences[seq_id].blocks) for seq_id in idle):
+            # cannot fit even with every idle sequence's blocks: evict nobody, give back its own
+            self._free.extend(reversed(state.blocks))
+            state.blocks.clear()
+            state.fed.clear()
+            return False
         while needed > len(self._free):
-            victim = next(idle, None)
-            if victim is None:
-                self._free.extend(reversed(state.blocks))
-                state.blocks.clear()
-                state.fed.clear()
-                return False
-            self.release(victim)
+            self.release(idle.pop(0))
         for _ in range(max(0, needed)):
             state.blocks.append(self._free.pop())
         return True
@@ -174,8 +183,11 @@ def save_layer_draft(target: str | None, num_layers: int, folder: str) -> str:
     layers = config.get_text_config().num_hidden_layers
     if not 1 <= num_layers < layers:
         raise ValueError(f"num_layers: got {num_layers}, expected 1 to {layers - 1} (the target has {layers})")
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, num_hidden_layers=num_layers,
-                                                 dtype=getattr(config, "torch_dtype", None) or torch.float32)
+    cut = {"num_hidden_layers": num_layers}
+    if isinstance(getattr(config, "layer_types", None), list):  # per-layer kinds (sliding/full) keep their order
+        cut["layer_types"] = config.layer_types[:num_layers]
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+                                                 dtype=getattr(config, "torch_dtype", None) or torch.float32, **cut)
     model.save_pretrained(folder)
     load_tokenizer(path).save_pretrained(folder)
     return folder

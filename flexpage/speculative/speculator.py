@@ -21,6 +21,7 @@ its last token before ``max_tokens`` or ``max_model_len`` (no proposal runs past
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,6 +31,8 @@ from flexpage.speculative.config import SpeculativeConfig
 from flexpage.speculative.ngram import NgramProposer
 
 __all__ = ["Proposer", "Speculator"]
+
+_log = logging.getLogger(__name__)
 
 #: the most steps a sequence whose proposals keep failing waits before proposing again: prompt
 #: lookup costs microseconds, a draft model a forward per proposed token plus catching up on
@@ -91,7 +94,11 @@ class Speculator:
         if len(decoding) > self.config.disable_by_batch_size:
             return
         wanted = [(seq, k) for seq in decoding if (k := self._k(seq))]
-        chains = self.proposer.propose_chains([(seq.seq_id, seq.token_ids, k) for seq, k in wanted])
+        try:
+            chains = self.proposer.propose_chains([(seq.seq_id, seq.token_ids, k) for seq, k in wanted])
+        except Exception:  # a draft model's forward failed: this step decodes without proposals
+            _log.exception("speculative decoding: the proposer failed; this step proposes nothing")
+            return
         for (seq, _), chain in zip(wanted, chains):
             seq.draft_token_ids = chain
 

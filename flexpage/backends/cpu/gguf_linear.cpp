@@ -498,7 +498,10 @@ at::Tensor bf16_rows_linear(const at::Tensor& x, const at::Tensor& blocks, const
   std::vector<float> wide(rows * K);
   bf16::widen(reinterpret_cast<const uint16_t*>(input.data_ptr<at::BFloat16>()), rows * K, wide.data());
   at::Tensor bias32;
-  if (bias.has_value() && bias->defined()) bias32 = bias->to(at::kFloat).contiguous();
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "block_linear: bias has ", bias->numel(), " values, the blocks ", N, " outputs");
+    bias32 = bias->to(at::kFloat).contiguous();
+  }
   at::Tensor out = at::empty({rows, N}, x.options());
   const float* xp = wide.data();
   const float* biasp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
