@@ -498,10 +498,7 @@ at::Tensor bf16_rows_linear(const at::Tensor& x, const at::Tensor& blocks, const
   std::vector<float> wide(rows * K);
   bf16::widen(reinterpret_cast<const uint16_t*>(input.data_ptr<at::BFloat16>()), rows * K, wide.data());
   at::Tensor bias32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "block_linear: bias has ", bias->numel(), " values, the blocks ", N, " outputs");
-    bias32 = bias->to(at::kFloat).contiguous();
-  }
+  if (bias.has_value() && bias->defined()) bias32 = bias->to(at::kFloat).contiguous();
   at::Tensor out = at::empty({rows, N}, x.options());
   const float* xp = wide.data();
   const float* biasp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
@@ -532,6 +529,9 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std
   TORCH_CHECK(q4_1 || (K % kBlock == 0 && row_bytes == K / kBlock * Q8_0::kBytes), "block_linear: x has ", K,
               " features; blocks of ", row_bytes, " bytes per row hold ", row_bytes / Q4_1::kBytes * kBlock,
               " (Q4_1) or ", row_bytes / Q8_0::kBytes * kBlock, " (Q8_0)");
+  // the bf16 kernels read the bias by pointer, one value per output
+  TORCH_CHECK(!(bias.has_value() && bias->defined()) || bias->numel() == N, "block_linear: bias has ",
+              bias.has_value() && bias->defined() ? bias->numel() : 0, " values, the blocks ", N, " outputs");
   if (x.scalar_type() == at::kFloat) return float_block_linear(x, blocks, bias, q4_1);
   if (has_bf16_panels() && rows > 0) {
     if (rows <= bf16::kDotRows) return bf16_rows_linear(x, blocks, bias, q4_1);
