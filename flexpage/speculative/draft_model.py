@@ -22,10 +22,13 @@ draft would raise acceptance at temperature > 0 but not change what is emitted.
 **KV bookkeeping** needs no rollback call: the proposer remembers which tokens' K/V each
 sequence holds in the draft pool (``fed``). Whatever the target accepted, the sequence's tokens
 agree with ``fed`` up to its last position (accepted proposals, then the target's own token),
-so the next call rewrites the draft's K/V from there: rejected proposals' slots are overwritten. Draft blocks are one attention block each (the draft's page is the target's
-attention block), handed out from a free list (page 0 is the pool's null page); a sequence gone from the running batch gives
-them back (:meth:`DraftModelProposer.release`), and when the pool runs short, sequences not
-proposing this step give up theirs first; a sequence that still does not fit proposes nothing.
+so the next call rewrites the draft's K/V from there: rejected proposals' slots are
+overwritten. Draft blocks are one attention block each (the draft's page is the target's
+attention block), handed out from a free list (page 0 is the pool's null page); a sequence
+gone from the running batch gives them back (:meth:`DraftModelProposer.release`). When the
+pool runs short, sequences not proposing this step give up theirs; a sequence that would not
+fit even then proposes nothing and evicts nobody. A forward that fails forgets the state of
+every sequence it ran for.
 """
 
 from __future__ import annotations

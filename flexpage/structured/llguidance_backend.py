@@ -35,11 +35,12 @@ JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
 def _strict_formats(schema: dict | str) -> str:
     """The schema's text with :func:`calendar_formats` applied (malformed JSON text as it is:
     llguidance's message then names what is wrong)."""
-    text = schema if isinstance(schema, str) else json.dumps(schema)
+    if not isinstance(schema, str):
+        return json.dumps(calendar_formats(schema))
     try:
-        return json.dumps(calendar_formats(json.loads(text)))
+        return json.dumps(calendar_formats(json.loads(schema)))
     except ValueError:
-        return text
+        return schema
 
 
 class _Matcher:
