@@ -20,9 +20,10 @@ _register_hf_backend()
 
 __version__ = "0.1.0"
 
+from flexpage.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence  # noqa: E402
 from flexpage.llm import LLM  # noqa: E402
 from flexpage.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from flexpage.sampling_params import SamplingParams  # noqa: E402
 from flexpage.structured import StructuredOutputsParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]

@@ -14,6 +14,7 @@ travels in the plan, and everything it produced in the result.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from flexpage.attention.eviction import EvictionPolicy
 from flexpage.attention.recipe import Recipe
+from flexpage.beam_search import BeamGroup, BeamSearchParams, Candidate
 from flexpage.config import EngineConfig, check_kv_budget
 from flexpage.conversations import ConversationRegistry
 from flexpage.core.block_manager import BlockManager
@@ -38,7 +40,7 @@ from flexpage.input_processor import InputProcessor, PromptInput, check_optional
 from flexpage.kv_view import kv_view
 from flexpage.model.sampler import TokenHistory, make_generator
 from flexpage.output_processor import OutputProcessor, Request
-from flexpage.outputs import RequestOutput, SpeculationCounts
+from flexpage.outputs import CompletionOutput, RequestOutput, SpeculationCounts
 from flexpage.sampling_params import SamplingParams
 from flexpage.speculative.draft_model import DraftModelProposer
 from flexpage.speculative.speculator import Speculator
@@ -132,25 +134,29 @@ class LLMEngine:
         """Tokenise and check one prompt without queueing it: ``{"prompt", "prompt_token_ids"}``."""
         return self.inputs.prepare_prompt(prompt)
 
-    def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
+    def add_request(self, prompt: PromptInput, params: SamplingParams | BeamSearchParams | None = None,
                     request_id: str | None = None, *, conversation_id: str | None = None,
                     cache_salt: str | None = None) -> str:
         """Validate and queue one request; raises ValueError before anything is scheduled.
 
+        ``params``: sampling, or a beam search (:mod:`flexpage.beam_search`: its outputs come
+        when the search is done, every beam best first);
         ``conversation_id``: the chat this turn belongs to (see :mod:`flexpage.conversations`);
         ``cache_salt``: share prefix-cache blocks only with requests of the same salt.
         """
         check_optional_name("conversation_id", conversation_id)
         check_optional_name("cache_salt", cache_salt)
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidParameter("sampling_params",
-                                   f"sampling_params: got {type(params).__name__}, expected SamplingParams")
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise InvalidParameter("sampling_params", f"sampling_params: got {type(params).__name__}, expected "
+                                                      "SamplingParams or BeamSearchParams")
         prepared = self.prepare_prompt(prompt)
         text, token_ids = prepared["prompt"], prepared["prompt_token_ids"]
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         if request_id in self.requests:
             raise InvalidParameter("request_id", f"request_id: {request_id!r} is already in flight")
+        if isinstance(params, BeamSearchParams):
+            return self._add_beam_search(text, token_ids, params, request_id, conversation_id, cache_salt)
         kv_budget = self._kv_budget(params)
         generators = [make_generator(params.seed + i) if params.seed is not None else None for i in range(params.n)]
         grammars = []
@@ -166,6 +172,31 @@ class LLMEngine:
                        kv_budget=kv_budget, cache_salt=cache_salt, conversation=conversation_id)
         self.scheduler.add(seq)
         self.outputs.attach_sample(request, seq)
+        self.requests[request_id] = request
+        self.counters["prompt_tokens"] += len(token_ids)
+        return request_id
+
+    def _add_beam_search(self, text: str | None, token_ids: list[int], params: BeamSearchParams, request_id: str,
+                         conversation_id: str | None, cache_salt: str | None) -> str:
+        """Queue a beam search: one sequence for the prompt, whose rows give each beam's
+        ``beams_to_keep`` most likely tokens (raw log-probabilities, as HF ranks them)."""
+        check_request(self.config, "beam_search")
+        room = self.max_model_len - len(token_ids)
+        if room < 1:
+            raise InvalidParameter("max_tokens", f"beam search: the prompt ({len(token_ids)} tokens) leaves no room "
+                                                 f"to generate under max_model_len={self.max_model_len}")
+        group = BeamGroup(params, self.eos_token_ids, max_tokens=min(params.max_tokens, room))
+        # one greedy row per beam: its top log-probabilities are what the search ranks (OpenAI's
+        # cap of 20 logprobs is an API limit, not the sampler's: set past validation)
+        rows = SamplingParams(temperature=0.0, max_tokens=group.max_tokens, ignore_eos=True, num_speculative_tokens=0)
+        rows.logprobs = group.beams_to_keep
+        request = Request(request_id, text, token_ids, rows, time.monotonic(), generators=[None],
+                          block_size=self.config.block_size, conversation=conversation_id, beam=group)
+        seq = Sequence(next(self._seq_ids), token_ids, max_tokens=group.max_tokens, request=request,
+                       cache_salt=cache_salt, conversation=conversation_id)
+        seq.beam_group = seq.seq_id
+        group.beams = request.seqs = [seq]
+        self.scheduler.add(seq)
         self.requests[request_id] = request
         self.counters["prompt_tokens"] += len(token_ids)
         return request_id
@@ -187,6 +218,11 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
+        if request.beam is not None:
+            for seq in request.seqs:
+                self.scheduler.abort(seq.seq_id)
+            request.beam.done = True
+            return True
         for seq, out in zip(request.seqs, request.outputs):
             if not out.finished:
                 self.scheduler.abort(seq.seq_id)
@@ -234,6 +270,7 @@ class LLMEngine:
                 else:
                     for item in sched.scheduled:
                         self._run_alone(item, touched)
+        self._advance_beams(touched)
         if not self.requests:  # idle: what the last steps freed goes back now, not at the next request
             self._run_kv_ops(self.block_manager.drain_ops())
         return [r.to_output() for r in touched.values()]
@@ -272,6 +309,11 @@ class LLMEngine:
         for item in sampled:
             seq = item.seq
             request: Request = seq.request
+            if request.beam is not None:  # one row per beam: the group ranks its top log-probabilities
+                rows.append(SampleRow(logits_row, request.params, TokenHistory(seq.prompt_token_ids, []), None))
+                grammars.append(None)
+                logits_row += 1
+                continue
             first = request.seqs.index(seq)
             forks = self.scheduler.forks_due(seq)
             history = TokenHistory(seq.prompt_token_ids, seq.output_token_ids)
@@ -294,6 +336,9 @@ class LLMEngine:
             if i in result.errors:
                 self._fail(request, result.errors[i], touched)
                 continue
+            if request.beam is not None:
+                request.beam.rows[seq.seq_id] = result.logprobs[i][0].top
+                continue
             try:
                 for token, logprobs in zip(result.token_ids[i], result.logprobs[i]):
                     self.counters["generation_tokens"] += 1
@@ -306,6 +351,46 @@ class LLMEngine:
                     self._accept_drafts(seq, len(rows[i].drafts), len(result.token_ids[i]) - 1)
             except Exception as error:
                 self._fail(request, error, touched)
+
+    def _advance_beams(self, touched: dict[str, Request]) -> None:
+        """Every beam group whose live beams all have a computed row takes its next step: a
+        beam chosen more than once forks (sharing its blocks), one not chosen is freed, and
+        each chosen beam appends its token. A group that is done returns its finished beams."""
+        for request in [r for r in self.requests.values() if r.beam is not None]:
+            group = request.beam
+            if not all(seq.seq_id in group.rows and seq.status is SequenceStatus.RUNNING
+                       and seq.num_uncomputed_tokens == 0 for seq in group.beams):
+                continue
+            self.counters["generation_tokens"] += len(group.beams)
+            try:
+                chosen = group.select([group.rows.pop(seq.seq_id) for seq in group.beams],
+                                      [seq.output_token_ids for seq in group.beams])
+                self._regroup_beams(request, chosen)
+            except Exception as error:
+                self._fail(request, error, touched)
+                continue
+            if group.done:
+                request.outputs = [
+                    CompletionOutput(i, self.tokenizer.decode(h.token_ids, skip_special_tokens=True), h.token_ids,
+                                     h.finish_reason, cumulative_logprob=h.cum_logprob)
+                    for i, h in enumerate(group.finished)]
+                touched[request.request_id] = request
+                self.requests.pop(request.request_id)
+                self.counters["finished_requests"] += 1
+
+    def _regroup_beams(self, request: Request, chosen: list[Candidate]) -> None:
+        group = request.beam
+        uses = collections.Counter(c.parent for c in chosen)
+        for i, seq in enumerate(group.beams):
+            if not uses[i]:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        beams: list[Sequence] = []
+        for c in chosen:  # forks first: a child shares its parent's blocks as they are now
+            parent = group.beams[c.parent]
+            beams.append(parent if parent not in beams else self.scheduler.fork(parent, next(self._seq_ids)))
+        for seq, c in zip(beams, chosen):
+            seq.append_token(c.token)
+        group.beams = request.seqs = beams
 
     def _accept_drafts(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """After a verification: the accepted proposals' KV counts as computed, the rest rolls back."""
@@ -334,6 +419,12 @@ class LLMEngine:
     def _finish(self, seq: Sequence, status: SequenceStatus, touched: dict[str, Request],
                 already_retired: bool = False) -> None:
         request: Request = seq.request
+        if request.beam is not None:  # the scheduler gave up on a beam: the pool cannot hold the group
+            self.abort(request.request_id)
+            request.error = (f"beam search: {len(request.seqs)} beams of {seq.num_tokens} tokens need more KV "
+                             f"blocks than the pool has ({self.block_manager.num_usable_blocks} usable)")
+            touched[request.request_id] = request
+            return
         if not already_retired:
             self.scheduler.finish(seq, status)
         request.outputs[request.seqs.index(seq)].finish_reason = status.finish_reason

@@ -27,7 +27,8 @@ for every pair. How each state was established:
 
 Options are the engine's, not a request's, except where a request adds one: a request's
 ``SamplingParams.kv_budget`` is the ``kv_budget`` feature; :func:`check_request` checks it
-against the engine's. Model- and machine-dependent limits (a model without a compact
+against the engine's, and a beam search request is the ``beam_search`` feature
+(:data:`REQUEST_FEATURES`: no engine option turns it on). Model- and machine-dependent limits (a model without a compact
 forward, a CPU without the block kernel, head counts a rank count does not divide) are not
 pairs of options; they stay where the model is known (``ModelRunner``, ``shard_llama``).
 
@@ -42,7 +43,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-__all__ = ["FEATURES", "FALLBACKS", "INCOMPATIBLE", "Feature", "UnsupportedCombination", "active_features",
+__all__ = ["FEATURES", "FALLBACKS", "INCOMPATIBLE", "REQUEST_FEATURES", "Feature", "UnsupportedCombination", "active_features",
            "check_combination", "check_features", "check_request", "refusal"]
 
 
@@ -93,9 +94,13 @@ FEATURES: tuple[Feature, ...] = (
     Feature("transformers_impl", "model_impl", "model_impl='transformers'",
             lambda c: c.model_impl == "transformers"),
     Feature("speculative", "speculative_config", "speculative_config", lambda c: c.speculative_config is not None),
-    # to come: beam search. Structured outputs (a request's grammar) are no
-    # feature here: they refuse no option, and tests/test_feature_pairs.py runs them in every engine
+    # a request's only (no engine option turns it on): check_request names it
+    Feature("beam_search", "beam_search", "beam search (LLM.beam_search, use_beam_search)", lambda c: False),
+    # Structured outputs (a request's grammar) are no feature here: they refuse no option,
+    # and tests/test_feature_pairs.py runs them in every engine
 )
+#: features a request asks for, never an engine's configuration
+REQUEST_FEATURES = frozenset({"beam_search"})
 _BY_NAME = {feature.name: feature for feature in FEATURES}
 _ORDER = {feature.name: i for i, feature in enumerate(FEATURES)}
 
@@ -128,6 +133,10 @@ INCOMPATIBLE: dict[frozenset[str], str] = _pairs({
     ("int8", "tensor_parallel", "deterministic", "transformers_impl"): _INT8,
     ("speculative", "kv_budget"): "a budget scores and evicts blocks as they fill, and a verification step fills "
                                   "blocks with proposed tokens that may be rolled back",
+    ("beam_search", "virtual"): "beams fork at every step, and a virtual-layout fork copies its parent's blocks "
+                                "into a row reserved at admission (it shares none)",
+    ("beam_search", "kv_budget"): "beams are ranked by log-probabilities over their whole context, and a budget "
+                                  "evicts each beam's blocks by its own scores",
 })
 
 #: pairs that work with the first feature stepping aside -> why

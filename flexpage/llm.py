@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence as Seq
 
 from flexpage import background
+from flexpage.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from flexpage.config import EngineConfig
 from flexpage.engine import LLMEngine, PromptInput
 from flexpage.outputs import RequestOutput
@@ -41,7 +42,7 @@ class LLM:
         params = _params_list(sampling_params, len(prompt_list))
         conversations = _conversation_list(conversation_id, len(prompt_list))
         for p in params:
-            if not isinstance(p, SamplingParams):
+            if not isinstance(p, (SamplingParams, BeamSearchParams)):
                 raise ValueError(f"sampling_params: got {type(p).__name__}, expected SamplingParams")
         prepared = [self.engine.prepare_prompt(prompt) for prompt in prompt_list]  # raises before queueing
         ids = [self.engine.add_request(prompt, p, conversation_id=conv)
@@ -60,6 +61,21 @@ class LLM:
                     if on_progress is not None:
                         on_progress(out)
         return [results[i] for i in ids]
+
+    def beam_search(self, prompts: PromptInput | Seq[PromptInput], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (vLLM's ``LLM.beam_search``), in the engine: a prompt's
+        beams share its blocks and fork copy-on-write. Returns, per prompt, every beam best
+        first (ranked as HF's ``generate(num_beams=...)``, see :mod:`flexpage.beam_search`)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params: got {type(params).__name__}, expected BeamSearchParams")
+        outputs = self.generate(prompts, [params] * len(_as_list(prompts)))  # type: ignore[list-item]
+        tokenizer = self.engine.tokenizer
+        return [BeamSearchOutput([
+            BeamSearchSequence(out.prompt_token_ids + beam.token_ids,
+                               tokenizer.decode(out.prompt_token_ids + beam.token_ids, skip_special_tokens=True),
+                               beam.cumulative_logprob, beam.cumulative_logprob / len(beam.token_ids) ** params.length_penalty,
+                               len(out.prompt_token_ids), beam.finish_reason)
+            for beam in out.outputs]) for out in outputs]
 
     def chat(
         self,

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from flexpage.beam_search import BeamGroup
 from flexpage.core.sequence import Sequence, SequenceStatus
 from flexpage.model.detokenizer import IncrementalDetokenizer
 from flexpage.model.sampler import TokenLogprobs
@@ -50,9 +51,14 @@ class Request:
     speculation: SpeculationCounts | None = None
     #: set when the engine aborted the request because its own computation failed
     error: str | None = None
+    #: beam search's state (None: sampling); ``seqs`` are then its live beams, and ``outputs``
+    #: its finished beams once the search is done
+    beam: BeamGroup | None = None
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return len(self.outputs) == self.params.n and all(o.finished for o in self.outputs)
 
     def to_output(self) -> RequestOutput:

@@ -22,6 +22,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop string or token id that ended it
     logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None  # set by beam search (the sum a beam is ranked by)
 
     @property
     def finished(self) -> bool:

@@ -251,3 +251,22 @@ def greedy_in_two_processes(make_llm: Callable[[], Any], prompts: list[list[int]
     finally:
         compiled_step._program.cache_clear()  # later tests must not save into program_dir
     return tokens, saved
+
+
+def hf_beams(model: Any, prompt_ids: list[int], beam_width: int, max_new_tokens: int, *,
+             length_penalty: float = 1.0, early_stopping: bool | str = False) -> list[tuple[list[int], float]]:
+    """HF ``generate``'s beam search, every beam best first: ``(output ids up to and including
+    its EOS, sequences_score)``."""
+    eos = model.generation_config.eos_token_id
+    eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), do_sample=False, num_beams=beam_width,
+                             num_return_sequences=beam_width, max_new_tokens=max_new_tokens,
+                             length_penalty=length_penalty, early_stopping=early_stopping,
+                             output_scores=True, return_dict_in_generate=True)
+    beams = []
+    for row, score in zip(out.sequences.tolist(), out.sequences_scores.tolist()):
+        tokens = row[len(prompt_ids):]
+        ends = [i for i, t in enumerate(tokens) if t in eos_ids]
+        beams.append((tokens[: ends[0] + 1] if ends else tokens, score))
+    return beams

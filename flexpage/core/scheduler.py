@@ -35,7 +35,7 @@ next step's plan.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from flexpage.core.block_manager import BlockManager
@@ -271,17 +271,19 @@ class Scheduler:
                 return min(remaining, budget)
             return remaining if remaining <= budget else 0
 
-        # 1. decodes, oldest admission first; preempt from the newest end.
+        # 1. decodes, oldest admission first (a beam group's together); preempt from the newest end.
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+            if id(seq) in scheduled or seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
                 continue
             if seq.num_tokens >= cfg.max_model_len:  # normally the engine stops it first
                 self._finish_length(seq, out)
                 continue
-            if budget == 0 or len(out.scheduled) >= cfg.max_num_seqs:
+            unit = [s for s in self._group(seq, self.running) if s.num_uncomputed_tokens == 1]
+            if budget < len(unit) or len(out.scheduled) + len(unit) > cfg.max_num_seqs:
                 break
-            if self._make_room(seq, out):
-                take(seq, 1, self._drafts_that_fit(seq, budget - 1))
+            if self._make_room(unit, out):
+                for member in unit:
+                    take(member, 1, self._drafts_that_fit(member, budget - 1))
 
         # 2. partially prefilled sequences (their blocks were reserved at admission).
         for seq in list(self.running):
@@ -297,53 +299,86 @@ class Scheduler:
             return
 
         # 3. swapped sequences come back before anything new is admitted.
-        while self.swapped and len(self.running) < cfg.max_num_seqs:
-            seq = self.swapped[0]
-            if not bm.can_swap_in(seq, self._watermark()):
+        while self.swapped:
+            unit = self._group(self.swapped[0], self.swapped)
+            if len(self.running) + len(unit) > cfg.max_num_seqs or not self._can_swap_in(unit):
                 break
-            self.swapped.popleft()
-            bm.swap_in(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            n = 1 if seq.num_uncomputed_tokens == 1 else chunk(seq)
-            if n and n <= budget and len(out.scheduled) < cfg.max_num_seqs and bm.can_append_slots(seq, n):
-                take(seq, n)
+            for seq in unit:
+                self.swapped.remove(seq)
+                bm.swap_in(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                n = 1 if seq.num_uncomputed_tokens == 1 else chunk(seq)
+                if n and n <= budget and len(out.scheduled) < cfg.max_num_seqs and bm.can_append_slots(seq, n):
+                    take(seq, n)
 
         # 4. admit waiting sequences in arrival order (head-of-line: never skip one).
         while self.waiting and not self.swapped and budget > 0:
-            if len(self.running) >= cfg.max_num_seqs or len(out.scheduled) >= cfg.max_num_seqs:
-                break
             seq = self.waiting[0]
+            unit = self._group(seq, self.waiting)
+            if len(self.running) + len(unit) > cfg.max_num_seqs or len(out.scheduled) + len(unit) > cfg.max_num_seqs:
+                break
             if in_flight and bm.next_uncached_hash(seq) in in_flight:
                 break  # an earlier admission computes this prefix now: next step shares it instead
-            if not bm.can_allocate(seq, self._watermark()):
+            if not self._can_allocate(unit):
                 break
             remaining = seq.num_tokens - bm.num_cached_prefix_tokens(seq)
             if not cfg.enable_chunked_prefill and remaining > budget:
                 break
-            self.waiting.popleft()
-            seq.num_computed_tokens = bm.allocate(seq)
-            if seq.num_output_tokens == 0:  # report prompt tokens only, first admission
-                seq.num_cached_tokens = bm.reused_tokens(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            take(seq, chunk(seq))
+            for member in unit:
+                self.waiting.remove(member)
+                member.num_computed_tokens = bm.allocate(member)
+                if member.num_output_tokens == 0:  # report prompt tokens only, first admission
+                    member.num_cached_tokens = bm.reused_tokens(member)
+                member.status = SequenceStatus.RUNNING
+                self.running.append(member)
+                n = chunk(member)
+                if n or member is seq:  # a later member may find this step's budget spent
+                    take(member, n)
 
     def _watermark(self) -> int:
         # With nothing running, the watermark could only block progress forever.
         return self.watermark_blocks if self.running else 0
 
-    def _make_room(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """Preempt newest-first until ``seq`` can take one more token; False if ``seq`` lost."""
-        bm = self.block_manager
-        while not bm.can_append_slots(seq, 1):
-            victim = self.running[-1]
-            if victim is seq and len(self.running) == 1:
-                # Alone and still out of blocks: it holds the whole pool and can never grow.
-                self._finish_length(seq, out)
+    @staticmethod
+    def _group(seq: Sequence, queue: Iterable[Sequence]) -> list[Sequence]:
+        """``seq`` and, for a beam, the other sequences of its beam group in ``queue``: what
+        is scheduled, preempted, swapped in and admitted as one unit."""
+        if seq.beam_group is None:
+            return [seq]
+        return [s for s in queue if s.beam_group == seq.beam_group]
+
+    def _can_allocate(self, unit: list[Sequence]) -> bool:
+        """Whether every sequence of ``unit`` can be admitted (counting each one's blocks in
+        full: only the prefix cache shares between them at admission)."""
+        bm, taken = self.block_manager, 0
+        for seq in unit:
+            if not bm.can_allocate(seq, self._watermark() + taken):
                 return False
-            self._preempt(victim, out)
-            if victim is seq:
+            taken += bm.blocks_for_admission(seq)
+        return True
+
+    def _can_swap_in(self, unit: list[Sequence]) -> bool:
+        bm, taken = self.block_manager, 0
+        for seq in unit:
+            if not bm.can_swap_in(seq, self._watermark() + taken):
+                return False
+            taken += sum(map(len, bm.host_block_tables(seq)))
+        return True
+
+    def _make_room(self, unit: list[Sequence], out: SchedulerOutput) -> bool:
+        """Preempt newest-first until every sequence of ``unit`` can take one more token;
+        False if they lost (preempted, or finished: alone and still out of blocks)."""
+        bm = self.block_manager
+        while sum(bm.blocks_to_append(seq, 1) for seq in unit) > bm.pool.num_free_or_cached:
+            victims = self._group(self.running[-1], self.running)
+            if unit[0] in victims and len(victims) == len(self.running):
+                # Alone (with its beam group) and still out of blocks: it can never grow.
+                self._finish_length(unit[0], out)
+                return False
+            for victim in reversed(victims):
+                self._preempt(victim, out)
+            if unit[0] in victims:
                 return False
         return True
 

@@ -84,6 +84,7 @@ class Sequence:
         "cache_salt",
         "conversation",
         "draft_token_ids",
+        "beam_group",
     )
 
     def __init__(
@@ -131,6 +132,9 @@ class Sequence:
         #: speculative decoding: tokens proposed to follow ``token_ids``, verified in the next
         #: decode step (never part of ``token_ids``, the prefix cache or the output until accepted)
         self.draft_token_ids: list[int] = []
+        #: beam search: the id its request's beams share (None: not a beam); the scheduler
+        #: preempts, swaps in and admits a group's sequences together
+        self.beam_group: int | None = None
 
     # -- derived sizes -----------------------------------------------------
     @property
@@ -203,6 +207,7 @@ class Sequence:
         child.num_evicted_blocks = self.num_evicted_blocks
         child._block_hashes = (self._block_hashes[0], list(self._block_hashes[1]))
         child.status = self.status
+        child.beam_group = self.beam_group
         return child
 
     def __repr__(self) -> str:
