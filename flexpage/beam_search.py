@@ -49,6 +49,7 @@ class BeamSearchParams:
         temperature: 0 only: the search is deterministic (HF's beam *sampling* is not offered).
         length_penalty: a finished hypothesis scores ``cum_logprob / length ** length_penalty``.
         early_stopping: ``True``, ``False`` or ``"never"``, as HF's ``generate``.
+        n: the best beams returned (an OpenAI request's ``n``); None: all ``beam_width``.
     """
 
     beam_width: int
@@ -57,12 +58,17 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     early_stopping: EarlyStopping = False
+    n: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidParameter(name, f"{name} must be an int >= 1, got {value!r}")
+        if self.n is None:
+            self.n = self.beam_width
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= self.beam_width:
+            raise InvalidParameter("n", f"n must be an int in [1, beam_width={self.beam_width}], got {self.n!r}")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidParameter("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.temperature != 0.0:

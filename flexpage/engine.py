@@ -373,7 +373,7 @@ class LLMEngine:
                 request.outputs = [
                     CompletionOutput(i, self.tokenizer.decode(h.token_ids, skip_special_tokens=True), h.token_ids,
                                      h.finish_reason, cumulative_logprob=h.cum_logprob)
-                    for i, h in enumerate(group.finished)]
+                    for i, h in enumerate(group.finished[:group.params.n])]
                 touched[request.request_id] = request
                 self.requests.pop(request.request_id)
                 self.counters["finished_requests"] += 1

@@ -14,6 +14,10 @@
 * Structured outputs (a request option with no refused pair) run in every engine: a third
   round of requests under a JSON schema must give the tokens of a second implementation (HF's
   argmax under llguidance's mask, ``hf_constrained_greedy``).
+* Beam search is a request's feature (``REQUEST_FEATURES``: no engine option turns it on): it
+  takes part in the covers like the others, and an engine whose cover holds it runs two beam
+  searches at once after the rounds, which must give HF ``generate(num_beams=2)``'s beams;
+  its refused pairs are refused by ``check_request``.
 * Under a KV budget that evicts (the 60-token prompt against 64 tokens), HF's full-context
   tokens are not the answer: that request must equal the same model's budget-only engine,
   which ``test_kv_budget.py`` checks against HF's forward over the kept tokens.
@@ -37,10 +41,11 @@ import pytest
 import torch
 
 from engine_models import hf_constrained_greedy, hf_greedy, load_reference, random_prompts
-from flexpage import LLM, SamplingParams, StructuredOutputsParams
+from engine_models import hf_beams
+from flexpage import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from flexpage.config import EngineConfig
-from flexpage.features import (FALLBACKS, FEATURES, INCOMPATIBLE, UnsupportedCombination, active_features,
-                               check_request, refusal)
+from flexpage.features import (FALLBACKS, FEATURES, INCOMPATIBLE, REQUEST_FEATURES, UnsupportedCombination,
+                               active_features, check_request, refusal)
 
 NAMES = [feature.name for feature in FEATURES]
 OPTION = {feature.name: feature.option for feature in FEATURES}
@@ -68,6 +73,7 @@ SETTINGS: dict[str, dict] = {
     # prompt lookup from 1-grams, at any batch size: proposals in every step where blocks allow them
     "speculative": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                             "prompt_lookup_max": 2, "disable_by_batch_size": 64}),
+    "beam_search": dict(),  # a request's: see BEAMS
 }
 BASE = dict(dtype="float32", compile=False, num_blocks=11, block_size=BLOCK, max_num_batched_tokens=16,
             max_model_len=128, max_num_seqs=8)
@@ -82,6 +88,8 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "kind": {"
           "required": ["ok", "kind"], "additionalProperties": False}
 CONSTRAINED = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                              structured_outputs=StructuredOutputsParams(json=SCHEMA))
+BEAM_PROMPTS = [ROUND_1[1], ROUND_1[4]]  # two groups at once, in the pool that preempts
+BEAMS = BeamSearchParams(beam_width=2, max_tokens=NEW_TOKENS)
 
 
 def test_the_table_names_only_features_and_pairs_of_different_options():
@@ -93,6 +101,7 @@ def test_the_table_names_only_features_and_pairs_of_different_options():
         assert OPTION[a] != OPTION[b] and refusal(a, b) is None, (a, b)
     with pytest.raises(KeyError, match="feature: got 'beams'"):
         refusal("beams", "virtual")
+    assert REQUEST_FEATURES <= set(NAMES)
 
 
 def _compatible(a: str, b: str) -> bool:
@@ -124,6 +133,15 @@ REFUSED = sorted(tuple(sorted(pair, key=NAMES.index)) for pair in INCOMPATIBLE)
 
 @pytest.mark.parametrize("pair", REFUSED, ids="+".join)
 def test_a_refused_pair_raises_one_error_naming_both(pair):
+    requested = REQUEST_FEATURES.intersection(pair)
+    if requested:  # a request's feature on an engine built with the other
+        other = pair[1 - pair.index(min(requested))]
+        engine = EngineConfig(**_config([other], compile=other != "eager" or None))
+        with pytest.raises(UnsupportedCombination) as raised:
+            check_request(engine, *requested)
+        assert raised.value.features == pair and raised.value.reason == INCOMPATIBLE[frozenset(pair)]
+        assert str(raised.value).startswith(f"{SETTING[pair[0]]} cannot be combined with {SETTING[pair[1]]}: ")
+        return
     config = _config(pair, compile="eager" not in pair)  # not eager unless asked: deterministic refuses it
     assert active_features(_Unchecked(config)) == set(pair) | (
         set() if "eager" in pair else {"compiled"})
@@ -226,6 +244,24 @@ def expected(models, default_model_path):
     return get
 
 
+@pytest.fixture(scope="module")
+def expected_beams(models):
+    """HF's beams (best first, ``(tokens, score)``) for BEAM_PROMPTS under BEAMS, by weights."""
+    from flexpage.model.int8_weights import int8_blocks
+
+    cache: dict[str, list[list[tuple[list[int], float]]]] = {}
+
+    def get(weights: str) -> list[list[tuple[list[int], float]]]:
+        if weights not in cache:
+            reference = load_reference(models["gguf_folder" if weights == "gguf" else "llama"])
+            if weights == "int8":
+                int8_blocks(reference)
+            cache[weights] = [hf_beams(reference, p, BEAMS.beam_width, BEAMS.max_tokens) for p in BEAM_PROMPTS]
+        return cache[weights]
+
+    return get
+
+
 def _run(llm: LLM) -> tuple[list[list[int]], list]:
     first = llm.generate([{"prompt_token_ids": p} for p in ROUND_1], GREEDY)
     second = llm.generate([{"prompt_token_ids": p} for p in ROUND_2], GREEDY)
@@ -257,10 +293,11 @@ def _close(llm: LLM) -> None:
 
 @pytest.mark.usefixtures("single_torch_thread", "compile_budget")
 @pytest.mark.parametrize("names", COVERS, ids="+".join)
-def test_working_features_together_give_hf_greedy_tokens(names, models, expected, budget_only, tmp_path):
+def test_working_features_together_give_hf_greedy_tokens(names, models, expected, expected_beams, budget_only,
+                                                         tmp_path):
     weights = "gguf" if "gguf" in names else "int8" if "int8" in names else "llama"
     config = _config(names, str(models["gguf" if weights == "gguf" else "llama"]), str(tmp_path / "disk"))
-    assert active_features(EngineConfig(**config)) == set(names)
+    assert active_features(EngineConfig(**config)) == set(names) - REQUEST_FEATURES
     llm = LLM(**config)
     try:
         engine = llm.engine
@@ -271,6 +308,11 @@ def test_working_features_together_give_hf_greedy_tokens(names, models, expected
                 assert outputs[i].metrics.evicted_blocks > 0
                 want[i] = budget_only(weights)[i]
         assert tokens == want
+        if "beam_search" in names:
+            beams = llm.beam_search([{"prompt_token_ids": p} for p in BEAM_PROMPTS], BEAMS)
+            for out, hf in zip(beams, expected_beams(weights)):
+                assert [beam.output_token_ids for beam in out.sequences] == [tokens for tokens, _ in hf]
+                assert [beam.score for beam in out.sequences] == pytest.approx([score for _, score in hf], abs=1e-4)
         stats, runner = engine.stats(), engine.runner
         assert engine.block_manager.stats().used == 0 and not engine.requests
         print(names, {k: stats[k] for k in ("preemptions", "prefix_cache_hits", "kv_spilled_tokens")})

@@ -213,6 +213,18 @@ def test_completions_match_offline(greedy: dict, offline: dict) -> None:
     assert usage.prompt_tokens_details.cached_tokens is not None
 
 
+def test_beam_search_over_http_returns_the_offline_best_beams(server: ServerProcess, offline: dict) -> None:
+    from flexpage import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=3, max_tokens=MAX_TOKENS, length_penalty=0.5)
+    best = offline["llm"].beam_search([PROMPTS[1]], params)[0].sequences
+    body = _post(server, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "n": 2, "beam_width": 3,
+                                             "use_beam_search": True, "length_penalty": 0.5, "temperature": 0}).json()
+    assert [c["text"] for c in body["choices"]] == [
+        offline["llm"].get_tokenizer().decode(beam.output_token_ids, skip_special_tokens=True) for beam in best[:2]]
+    assert body["usage"]["completion_tokens"] == sum(len(beam.output_token_ids) for beam in best[:2])
+
+
 def test_streamed_equals_non_streamed(greedy: dict, offline: dict) -> None:
     for (text, finish, usage), expected, choice in zip(greedy["streamed"], offline["completions"],
                                                        greedy["batch"].choices):
@@ -415,6 +427,13 @@ BAD_REQUESTS = [
     ("/v1/completions", b'{"prompt": []}', 400, "prompt", None),
     ("/v1/completions", b'{"prompt": [1, 99999999]}', 400, "prompt", None),
     ("/v1/completions", b'{"prompt": "x", "echo": true}', 400, "echo", "unsupported"),
+    ("/v1/completions", b'{"prompt": "x", "use_beam_search": true, "stream": true}', 400, "stream", "unsupported"),
+    ("/v1/completions", b'{"prompt": "x", "use_beam_search": true, "logprobs": 2}', 400, "logprobs", "unsupported"),
+    ("/v1/completions", b'{"prompt": "x", "use_beam_search": true, "temperature": 0.7}', 400, "temperature", None),
+    ("/v1/completions", b'{"prompt": "x", "use_beam_search": true, "n": 3, "beam_width": 2}', 400, "n", None),
+    ("/v1/completions", b'{"prompt": "x", "beam_width": 2}', 400, "beam_width", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "use_beam_search": true, '
+     b'"response_format": {"type": "json_object"}}', 400, "use_beam_search", "unsupported"),
     ("/v1/chat/completions", b'{"messages": []}', 400, "messages", None),
     ("/v1/chat/completions", b'{"model": "SmolLM2-135M-Instruct"}', 400, "messages", "missing_field"),
     ("/v1/chat/completions", b'{"messages": [{"content": "hi"}]}', 400, "messages.0.role", "missing_field"),

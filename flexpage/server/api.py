@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from flexpage.beam_search import BeamSearchParams
 from flexpage.errors import InvalidParameter
 from flexpage.sampling_params import MAX_LOGPROBS, SamplingParams
 from flexpage.server.guard import Guard, error_response
@@ -83,6 +84,47 @@ def _check_model(state: ServerState, name: str | None) -> None:
     if name is not None and name != state.served_model_name:
         raise APIError(404, f"The model `{name}` does not exist. This server serves `{state.served_model_name}`.",
                        param="model", code="model_not_found")
+
+
+#: request fields that do not combine with ``use_beam_search``, as (field, its no-op value)
+_NOT_WITH_BEAMS = (("stream", False), ("stop", None), ("stop_token_ids", None), ("min_tokens", 0), ("seed", None),
+                   ("top_p", None), ("top_k", None), ("min_p", None), ("presence_penalty", None),
+                   ("frequency_penalty", None), ("repetition_penalty", None), ("kv_budget", None),
+                   ("num_speculative_tokens", None))
+_BEAM_ONLY = ("beam_width", "length_penalty", "early_stopping")
+
+
+def _request_params(req: Any, max_tokens: int | None, logprobs: int | None,
+                    constraint: Constraint | None = None) -> SamplingParams | BeamSearchParams:
+    """The engine parameters of a completion or chat request: sampling, or with
+    ``use_beam_search`` a beam search. What a beam search cannot honour is refused here, by
+    name: it is deterministic and returns its ``n`` best beams once all are ranked (no
+    stream: the best beam is known only at the end)."""
+    if not req.use_beam_search:
+        for name in _BEAM_ONLY:
+            if getattr(req, name) is not None:
+                raise APIError(400, f"{name} needs use_beam_search", param=name, code="invalid_value")
+        return _sampling_params(req, max_tokens, logprobs, constraint)
+    for name, no_op in _NOT_WITH_BEAMS:
+        value = getattr(req, name)
+        if value is not None and value != no_op:
+            raise APIError(400, f"{name} cannot be combined with use_beam_search", param=name, code="unsupported")
+    if logprobs is not None:
+        raise APIError(400, "logprobs cannot be combined with use_beam_search", param="logprobs", code="unsupported")
+    if constraint is not None:
+        raise APIError(400, "structured outputs and tools cannot be combined with use_beam_search",
+                       param="use_beam_search", code="unsupported")
+    if not 1 <= req.n <= MAX_N:
+        raise APIError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n", code="invalid_value")
+    try:
+        return BeamSearchParams(
+            beam_width=req.beam_width if req.beam_width is not None else req.n, n=req.n,
+            max_tokens=max_tokens if max_tokens is not None else 16, ignore_eos=req.ignore_eos,
+            temperature=req.temperature or 0.0,
+            length_penalty=req.length_penalty if req.length_penalty is not None else 1.0,
+            early_stopping=req.early_stopping if req.early_stopping is not None else False)
+    except InvalidParameter as error:
+        raise APIError(400, str(error), param=error.param, code="invalid_value") from None
 
 
 def _sampling_params(req: Any, max_tokens: int | None, logprobs: int | None,
@@ -141,7 +183,7 @@ def _scoped_view(view: dict[str, Any], scope: str | None) -> dict[str, Any]:
     return view
 
 
-def _check_length(state: ServerState, num_prompt: int, params: SamplingParams, what: str) -> None:
+def _check_length(state: ServerState, num_prompt: int, params: SamplingParams | BeamSearchParams, what: str) -> None:
     limit = state.max_model_len
     if num_prompt >= limit:
         raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your {what} has "
@@ -236,7 +278,7 @@ def build_app(state: ServerState) -> Any:
     async def completions(request: Request) -> Response:
         req, arrival = await read_request(request, CompletionRequest)
         constraint = requested_constraint(req)
-        params = _sampling_params(req, req.max_tokens, req.logprobs, constraint)
+        params = _request_params(req, req.max_tokens, req.logprobs, constraint)
         prompts = await _completion_prompts(state, req.prompt)
         for _, ids in prompts:
             _check_length(state, len(ids), params, "prompt")
@@ -264,7 +306,7 @@ def build_app(state: ServerState) -> Any:
         tools = tool_request(req)
         check_messages(req.messages)
         constraint = tool_constraint(tools, requested_constraint(req))
-        params = _sampling_params(req, max_tokens, logprobs, constraint)
+        params = _request_params(req, max_tokens, logprobs, constraint)
         ids = await _in_tokenizer_thread(state, lambda: _chat_prompt(state, req, tools))
         _check_length(state, len(ids), params, "messages")
         await compile_constraint(state, constraint)

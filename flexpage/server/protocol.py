@@ -154,6 +154,11 @@ class _SamplingFields(_Base):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    # beam search (vLLM's extras, plus HF's early_stopping): see flexpage.server.api._beam_search_params
+    use_beam_search: bool = False
+    beam_width: Optional[int] = None  # None: n
+    length_penalty: Optional[float] = None  # None: 1.0
+    early_stopping: Optional[Union[bool, Literal["never"]]] = None  # None: False
     # accepted only in their no-op form (see unsupported_fields)
     logit_bias: Optional[dict[str, float]] = None
     best_of: Optional[int] = None
@@ -237,13 +242,13 @@ class ChatCompletionRequest(_SamplingFields):
 REFUSED_FIELDS = {
     "functions": "use tools", "function_call": "use tool_choice",
     "structural_tag": "use structured_outputs.grammar", "guided_decoding_backend": "the backend is llguidance",
-    "guided_whitespace_pattern": "JSON is generated with fixed separators", "use_beam_search": "not supported yet",
+    "guided_whitespace_pattern": "JSON is generated with fixed separators",
     "prompt_logprobs": "not supported yet", "allowed_token_ids": "use structured_outputs.choice or regex",
     "bad_words": "not supported", "logits_processors": "not supported", "prediction": "not supported",
     "audio": "text only", "modalities": "text only", "include_stop_str_in_output": "not supported",
     "truncate_prompt_tokens": "not supported", "continue_final_message": "not supported",
     "chat_template": "the model's own template is used", "chat_template_kwargs": "not supported",
-    "documents": "not supported", "length_penalty": "not supported (no beam search)",
+    "documents": "not supported",
     "return_tokens_as_token_ids": "not supported",
     "tools": "tools are for /v1/chat/completions", "tool_choice": "tools are for /v1/chat/completions",
 }

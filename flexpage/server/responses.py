@@ -253,7 +253,7 @@ async def _collect(request: Request, state: ServerState, submission: Submission,
     n = submission.params.n
     choices = _choices(len(submission.prompts) * n, tools)
     usage = _Usage(len(submission.prompts))
-    want_logprobs = submission.params.logprobs is not None
+    want_logprobs = getattr(submission.params, "logprobs", None) is not None
     failure: Failed | None = None
 
     async def consume() -> None:
@@ -313,7 +313,7 @@ async def _stream(request: Request, state: ServerState, submission: Submission, 
     choices = _choices(len(submission.prompts) * n, tools)
     usage = _Usage(len(submission.prompts))
     holdback = _holdback(submission.params)
-    want_logprobs = submission.params.logprobs is not None
+    want_logprobs = getattr(submission.params, "logprobs", None) is not None
     obj = "chat.completion.chunk" if chat else "text_completion"
     extra = {"usage": None} if include_usage else {}
 
