@@ -67,6 +67,24 @@ def test_beams_and_scores_equal_hf_generate(model, reference, llm_factory, beam_
         assert finished_early > 0
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("kv_blocks_returned")
+def test_default_model_beams_equal_hf_generate(llm_factory, default_model_path):
+    """SmolLM2-135M-Instruct in float32: widths 2 and 4, 32 new tokens, a chat-like and a code prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    llm = llm_factory(None, num_blocks=16)
+    tokenizer = llm.get_tokenizer()
+    reference = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32,
+                                                     local_files_only=True).eval()
+    for text in ("The three primary colors are", "def fibonacci(n):"):
+        prompt = tokenizer(text).input_ids
+        for width in (2, 4):
+            got, _ = _ours(llm, prompt, beam_width=width, max_tokens=NEW_TOKENS)
+            _assert_same_beams(got, hf_beams(reference, prompt, width, NEW_TOKENS))
+
+
 @pytest.mark.usefixtures("kv_blocks_returned")
 def test_ignore_eos_runs_every_beam_to_max_tokens(model, llm_factory):
     got, out = _ours(llm_factory(model), PROMPTS[0], beam_width=3, max_tokens=12, ignore_eos=True)
