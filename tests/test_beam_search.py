@@ -156,6 +156,26 @@ def test_a_beam_group_under_preemption_gives_the_same_beams(model, reference, ll
 
 
 @pytest.mark.usefixtures("kv_blocks_returned")
+def test_a_preempted_group_too_big_to_readmit_fails_alone_instead_of_waiting_forever(model, llm_factory):
+    """Four beams share a 60-token prompt in 12 usable blocks; an older request preempts them,
+    and readmitted they would each hold their whole context (4 x 5 blocks): the group ends
+    with an error naming the pool, the older request completes, every block comes back."""
+    engine = llm_factory(model, num_blocks=13, block_size=BLOCK, max_num_batched_tokens=64, max_model_len=128).engine
+    older = engine.add_request({"prompt_token_ids": random_prompts((40,), seed=1)[0]},
+                               SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True))
+    beam = engine.add_request({"prompt_token_ids": random_prompts((60,), seed=2)[0]},
+                              BeamSearchParams(beam_width=4, max_tokens=30, ignore_eos=True))
+    outputs = {}
+    for _ in range(300):
+        outputs.update((out.request_id, out) for out in engine.step() if out.finished)
+        if not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests()
+    assert outputs[older].error is None and len(outputs[older].outputs[0].token_ids) == 80
+    assert "need more KV blocks than the pool has (12 usable)" in outputs[beam].error
+
+
+@pytest.mark.usefixtures("kv_blocks_returned")
 def test_abort_mid_search_frees_every_beam(model, llm_factory):
     engine = llm_factory(model).engine
     request_id = engine.add_request({"prompt_token_ids": PROMPTS[1]},

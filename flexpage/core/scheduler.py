@@ -321,6 +321,10 @@ class Scheduler:
             if in_flight and bm.next_uncached_hash(seq) in in_flight:
                 break  # an earlier admission computes this prefix now: next step shares it instead
             if not self._can_allocate(unit):
+                if not self.running and len(unit) > 1:  # a readmitted beam group the empty pool cannot hold
+                    for member in unit:
+                        self._finish_length(member, out)
+                    continue
                 break
             remaining = seq.num_tokens - bm.num_cached_prefix_tokens(seq)
             if not cfg.enable_chunked_prefill and remaining > budget:
