@@ -166,8 +166,8 @@ def serve(
     kv_budget: Optional[int] = typer.Option(None, help="KV tokens each sequence keeps per layer (a multiple of "
                                                        "--block-size, >= 3 blocks); whole blocks past it are evicted. "
                                                        "Requests may set their own (kv_budget)."),
-    kv_eviction: str = typer.Option("paged_eviction", help="Which blocks go over the budget: paged_eviction | "
-                                                           "streaming_llm | key_norm | none | module:attr | file.py."),
+    kv_eviction: str = typer.Option("key_norm", help="Which blocks go over the budget: key_norm | paged_eviction | "
+                                                     "streaming_llm | none | module:attr | file.py."),
     host_kv_bytes: str = typer.Option("0", help="Host memory for prefix-cache blocks the pool evicts (chat "
                                                 "history across turns), e.g. 4GiB; 0: none."),
     disk_kv_dir: Optional[str] = typer.Option(None, help="Directory of a disk tier behind the host tier (its files "

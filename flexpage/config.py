@@ -103,8 +103,9 @@ class EngineConfig:
     # SamplingParams.kv_budget overrides it. See flexpage.core.eviction and docs/kv-budget.md
     kv_budget_tokens: int | None = None
     # which blocks go: a policy name (flexpage.model.kv_eviction.EVICTION_POLICIES),
-    # "module:attr" / "file.py[:attr]", or an EvictionPolicy
-    kv_eviction: Any = "paged_eviction"
+    # "module:attr" / "file.py[:attr]", or an EvictionPolicy. key_norm by default: on varied
+    # text it keeps the blocks that matter more often than paged_eviction (docs/kv-budget.md)
+    kv_eviction: Any = "key_norm"
     # tiers behind the prefix cache (Pensieve; flexpage.core.kv_tiers): host memory for blocks
     # the pool evicts (0: none), then optionally a disk directory; which entry goes first
     host_kv_bytes: int | str = 0

@@ -30,10 +30,10 @@ from flexpage.core.kv_ops import KVOp
 from flexpage.core.kv_tiers import KVTiers
 from flexpage.core.layer_groups import LayerGroup
 from flexpage.core.scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput
-from flexpage.core.scheduler_output import step_inputs
+from flexpage.core.scheduler_output import StepInputs, step_inputs
 from flexpage.core.sequence import Sequence, SequenceStatus
 from flexpage.errors import InvalidParameter
-from flexpage.executor import Executor, ForwardFailed, SampleRow, StepPlan, StepResult
+from flexpage.executor import Executor, ForwardFailed, PromptLogprobRows, SampleRow, StepPlan, StepResult
 from flexpage.executor.factory import build_executor
 from flexpage.features import check_request
 from flexpage.input_processor import InputProcessor, PromptInput, check_optional_name
@@ -167,6 +167,9 @@ class LLMEngine:
                           grammars=grammars, kv_budget=kv_budget, block_size=self.config.block_size,
                           conversation=conversation_id,
                           speculation=SpeculationCounts() if self.speculator is not None else None)
+        if params.prompt_logprobs is not None:  # every prompt position computed: no prefix-cache hit
+            request.prompt_logprobs = [None] * len(token_ids)
+            cache_salt = f"{cache_salt or ''}\0prompt_logprobs\0{request_id}"
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
         seq = Sequence(next(self._seq_ids), token_ids, max_tokens=max_tokens, request=request, num_samples=params.n,
                        kv_budget=kv_budget, cache_salt=cache_salt, conversation=conversation_id)
@@ -285,8 +288,10 @@ class LLMEngine:
         sampled_items = [item for item in sched.scheduled if item.sample]
         sampled = [item.seq for item in sampled_items]
         rows, grammars = self._sample_rows(sampled_items)
-        plan = StepPlan(kv_ops=sched.kv_ops, inputs=step_inputs(sched.scheduled, self.block_manager.block_tables),
-                        samples=rows, scores=sched.scores)
+        inputs = step_inputs(sched.scheduled, self.block_manager.block_tables)
+        prompt_rows, prompt_positions = self._prompt_logprob_rows(sched.scheduled, inputs)
+        plan = StepPlan(kv_ops=sched.kv_ops, inputs=inputs, samples=rows, scores=sched.scores,
+                        prompt_logprobs=prompt_rows)
         if any(grammar is not None for grammar in grammars):
             plan.constrained = [i for i, grammar in enumerate(grammars) if grammar is not None]
             plan.token_bitmask = self.grammars.bitmask([grammars[i] for i in plan.constrained])
@@ -295,9 +300,34 @@ class LLMEngine:
             seq = self.scheduler.get(request.seq_id)
             if seq is not None:
                 self.block_manager.record_block_scores(seq, dict(zip(request.blocks, scores)))
+        for (request, positions), found in zip(prompt_positions, result.prompt_logprobs):
+            self.outputs.record_prompt_logprobs(request, positions, found)
         self.scheduler.mark_computed(sched)  # sequences over their KV budget evict blocks here
         if sampled:
             self._apply_samples(sampled, plan.samples, result, touched)
+
+    @staticmethod
+    def _prompt_logprob_rows(scheduled: list[ScheduledSequence], inputs: StepInputs
+                             ) -> tuple[list[PromptLogprobRows], list[tuple[Request, list[int]]]]:
+        """Logits rows, added to ``inputs.sample_rows``, for the prompt positions this step
+        computes whose next token's logprob a request asked for and does not have yet (a
+        recomputed prompt is not scored twice); and which request and positions each serves."""
+        rows: list[PromptLogprobRows] = []
+        owners: list[tuple[Request, list[int]]] = []
+        offset = 0  # the item's first row in the flat batch
+        for item in scheduled:
+            seq, request = item.seq, item.seq.request
+            if request.prompt_logprobs is not None:
+                end = min(item.start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+                positions = [p for p in range(item.start, end) if request.prompt_logprobs[p + 1] is None]
+                if positions:
+                    first = len(inputs.sample_rows)
+                    inputs.sample_rows.extend(offset + p - item.start for p in positions)
+                    rows.append(PromptLogprobRows(range(first, len(inputs.sample_rows)),
+                                                  [seq.token_ids[p + 1] for p in positions], request.params.prompt_logprobs))
+                    owners.append((request, positions))
+            offset += item.num_new_tokens
+        return rows, owners
 
     def _sample_rows(self, sampled: list[ScheduledSequence]) -> tuple[list[SampleRow], list[GrammarMatcher | None]]:
         """One row per sample to draw, and its grammar matcher (None: free text): a sequence

@@ -54,6 +54,8 @@ class Request:
     #: beam search's state (None: sampling); ``seqs`` are then its live beams, and ``outputs``
     #: its finished beams once the search is done
     beam: BeamGroup | None = None
+    #: per prompt position, its token's logprobs once computed (``params.prompt_logprobs``)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -67,7 +69,8 @@ class Request:
                                  evicted * self.block_size,
                                  dataclasses.replace(self.speculation) if self.speculation is not None else None)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, list(self.outputs),
-                             self.finished, self.num_cached_tokens, metrics, error=self.error)
+                             self.finished, self.num_cached_tokens, metrics, error=self.error,
+                             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None)
 
 
 class OutputProcessor:
@@ -122,6 +125,11 @@ class OutputProcessor:
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
+
+    def record_prompt_logprobs(self, request: Request, positions: list[int], found: list[TokenLogprobs]) -> None:
+        """The logprobs of the prompt tokens after ``positions`` (computed this step)."""
+        for position, entry in zip(positions, found):
+            request.prompt_logprobs[position + 1] = self._logprob_entry(entry)  # type: ignore[index]
 
     def _stop_token(self, token: int, params: SamplingParams, num_output: int) -> int | None:
         if num_output <= params.min_tokens and params.min_tokens:

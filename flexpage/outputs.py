@@ -70,3 +70,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     #: the engine aborted this request because its own computation failed (the others go on)
     error: str | None = None
+    #: with ``SamplingParams.prompt_logprobs``: per prompt position, its token's logprob and the
+    #: top ones (None at the first, which follows nothing); filled as the prompt is computed
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

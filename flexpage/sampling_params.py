@@ -85,6 +85,10 @@ class SamplingParams:
         ignore_eos: keep generating after EOS (EOS is then not masked by ``min_tokens``).
         logprobs: number of top logprobs to return per generated token, in [0, 20];
             0 returns only the sampled token's logprob; ``None`` returns nothing.
+        prompt_logprobs: the log-probability of every prompt token after the ones before it
+            (vLLM's ``RequestOutput.prompt_logprobs``; the first is None) with the top
+            ``prompt_logprobs`` at each position, in [0, 20]; ``None`` returns nothing. The
+            prompt is then computed in full (never served from the prefix cache).
         skip_special_tokens: drop special tokens when detokenising.
         kv_budget: KV tokens this request keeps per layer (the engine's eviction policy drops
             whole blocks past it); ``None`` takes the engine's ``kv_budget_tokens``. The engine
@@ -111,6 +115,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     kv_budget: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
@@ -185,12 +190,13 @@ class SamplingParams:
             raise InvalidParameter("structured_outputs", "structured_outputs must be a StructuredOutputsParams or "
                                    f"None, got {type(self.structured_outputs).__name__}")
 
-        if self.logprobs is not None:
-            self.logprobs = _require_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise InvalidParameter("logprobs",
-                    f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"
-                )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                value = _require_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise InvalidParameter(name, f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value!r}")
+                setattr(self, name, value)
 
     @staticmethod
     def _normalise_stop(stop: Any) -> list[str]:

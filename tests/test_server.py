@@ -225,6 +225,35 @@ def test_beam_search_over_http_returns_the_offline_best_beams(server: ServerProc
     assert body["usage"]["completion_tokens"] == sum(len(beam.output_token_ids) for beam in best[:2])
 
 
+def test_echo_scores_the_prompt_as_lm_evaluation_harness_asks(server: ServerProcess, offline: dict) -> None:
+    """``echo`` with ``max_tokens: 0`` and ``logprobs`` (lm-eval's local-completions
+    loglikelihood request): the prompt back, its first token without a logprob, every other
+    token's logprob the offline engine's ``prompt_logprobs``; with tokens generated, the
+    completion's follow the prompt's."""
+    from flexpage import SamplingParams
+
+    llm = offline["llm"]
+    ids = llm.get_tokenizer()(PROMPTS[2]).input_ids
+    reference = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=4,
+                                                                        prompt_logprobs=2, logprobs=2))[0]
+    want = [None] + [entry[token].logprob for token, entry in zip(ids[1:], reference.prompt_logprobs[1:])]
+    for max_tokens in (0, 4):
+        body = _post(server, "/v1/completions", {"prompt": ids, "echo": True, "max_tokens": max_tokens,
+                                                 "logprobs": 2, "temperature": 0}).json()
+        (choice,) = body["choices"]
+        logprobs = choice["logprobs"]
+        assert choice["text"] == llm.get_tokenizer().decode(ids) + (reference.outputs[0].text if max_tokens else "")
+        assert len(logprobs["tokens"]) == len(ids) + (0 if max_tokens == 0 else 4)
+        assert logprobs["top_logprobs"][0] is None and all(len(top) <= 2 for top in logprobs["top_logprobs"][1:])
+        assert logprobs["token_logprobs"][: len(ids)] == pytest.approx(want, abs=1e-4)
+        assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
+        assert body["usage"]["completion_tokens"] == (0 if max_tokens == 0 else 4)
+        if max_tokens:
+            assert logprobs["token_logprobs"][len(ids):] == pytest.approx(
+                [entry[token].logprob for token, entry in zip(reference.outputs[0].token_ids,
+                                                              reference.outputs[0].logprobs)], abs=1e-4)
+
+
 def test_streamed_equals_non_streamed(greedy: dict, offline: dict) -> None:
     for (text, finish, usage), expected, choice in zip(greedy["streamed"], offline["completions"],
                                                        greedy["batch"].choices):
@@ -426,7 +455,8 @@ BAD_REQUESTS = [
     ("/v1/completions", b'{"prompt": ""}', 400, "prompt", None),
     ("/v1/completions", b'{"prompt": []}', 400, "prompt", None),
     ("/v1/completions", b'{"prompt": [1, 99999999]}', 400, "prompt", None),
-    ("/v1/completions", b'{"prompt": "x", "echo": true}', 400, "echo", "unsupported"),
+    ("/v1/completions", b'{"prompt": "x", "echo": true, "stream": true}', 400, "echo", "unsupported"),
+    ("/v1/completions", b'{"prompt": "x", "echo": true, "logprobs": 21}', 400, "logprobs", None),
     ("/v1/completions", b'{"prompt": "x", "use_beam_search": true, "stream": true}', 400, "stream", "unsupported"),
     ("/v1/completions", b'{"prompt": "x", "use_beam_search": true, "logprobs": 2}', 400, "logprobs", "unsupported"),
     ("/v1/completions", b'{"prompt": "x", "use_beam_search": true, "temperature": 0.7}', 400, "temperature", None),

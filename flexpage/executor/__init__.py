@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from flexpage.executor.plan import ForwardFailed, SampleRow, StepPlan, StepResult
+from flexpage.executor.plan import ForwardFailed, PromptLogprobRows, SampleRow, StepPlan, StepResult
 from flexpage.model.kv_tier_storage import TierStorage
 from flexpage.model.runner import ModelRunner
 
-__all__ = ["Executor", "ForwardFailed", "SampleRow", "StepPlan", "StepResult"]
+__all__ = ["Executor", "ForwardFailed", "PromptLogprobRows", "SampleRow", "StepPlan", "StepResult"]
 
 
 class Executor(Protocol):

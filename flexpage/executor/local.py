@@ -22,7 +22,7 @@ from flexpage.attention.eviction import EvictionPolicy
 from flexpage.model.kv_eviction import block_scores
 from flexpage.model.kv_tier_storage import TierStorage
 from flexpage.model.runner import ModelRunner
-from flexpage.model.sampler import TokenLogprobs, sample
+from flexpage.model.sampler import TokenLogprobs, sample, token_logprobs
 from flexpage.model.tensor_parallel import RankFailure
 from flexpage.speculative.verify import verify_chains
 from flexpage.structured.bitmask import apply_bitmask
@@ -55,6 +55,9 @@ class LocalExecutor:
         try:  # always run: a step of prefill chunks that samples nothing still computes their K/V
             logits = self._forward(plan.inputs)
             result.block_scores = self._score(plan.scores) if plan.scores else []
+            result.prompt_logprobs = [
+                token_logprobs(logits[rows.logits_rows.start:rows.logits_rows.stop], torch.tensor(rows.targets),
+                               [rows.top] * len(rows.targets)) for rows in plan.prompt_logprobs]
         except RankFailure:  # not one request's fault, and no retry can help
             raise
         except Exception as error:

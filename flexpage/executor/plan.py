@@ -28,7 +28,7 @@ from flexpage.core.scheduler_output import ScoreRequest, StepInputs
 from flexpage.model.sampler import TokenHistory, TokenLogprobs
 from flexpage.sampling_params import SamplingParams
 
-__all__ = ["ForwardFailed", "SampleRow", "StepPlan", "StepResult"]
+__all__ = ["ForwardFailed", "PromptLogprobRows", "SampleRow", "StepPlan", "StepResult"]
 
 
 class ForwardFailed(Exception):
@@ -51,6 +51,18 @@ class SampleRow:
 
 
 @dataclass(slots=True)
+class PromptLogprobRows:
+    """Prompt positions of one request whose next token's log-probability it asked for
+    (``SamplingParams.prompt_logprobs``): logits rows ``logits_rows`` (indices into
+    ``inputs.sample_rows``, after every sample's) score ``targets``, the prompt token after
+    each position, with the ``top`` most likely beside."""
+
+    logits_rows: range
+    targets: list[int]
+    top: int
+
+
+@dataclass(slots=True)
 class StepPlan:
     """Everything one step does, in the order it happens (see the module docstring)."""
 
@@ -62,6 +74,7 @@ class StepPlan:
     constrained: list[int] = field(default_factory=list)
     token_bitmask: torch.Tensor | None = None
     scores: list[ScoreRequest] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -76,3 +89,5 @@ class StepResult:
     errors: dict[int, BaseException] = field(default_factory=dict)
     #: per score request, one score per block
     block_scores: list[list[float]] = field(default_factory=list)
+    #: per ``plan.prompt_logprobs`` entry, each target's logprobs
+    prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)

@@ -48,6 +48,7 @@ __all__ = [
     "apply_min_p",
     "sampling_probs",
     "gather_logprobs",
+    "token_logprobs",
 ]
 
 _U64 = (1 << 64) - 1
@@ -286,21 +287,30 @@ def gather_logprobs(
     if not rows:
         return None
     idx = torch.tensor(rows, device=raw_logits.device)
-    logprobs = raw_logits.index_select(0, idx).float().log_softmax(dim=-1)
-    chosen = token_ids.index_select(0, idx).unsqueeze(1)
+    found = token_logprobs(raw_logits.index_select(0, idx), token_ids.index_select(0, idx),
+                           [params[i].logprobs or 0 for i in rows])
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    for i, entry in zip(rows, found):
+        out[i] = entry
+    return out
+
+
+def token_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, top: list[int]) -> list[TokenLogprobs]:
+    """Row ``i``'s float32 log-probability of ``token_ids[i]`` under ``raw_logits[i]``, its
+    rank, and the ``top[i]`` most likely tokens."""
+    logprobs = raw_logits.float().log_softmax(dim=-1)
+    chosen = token_ids.unsqueeze(1)
     chosen_lp = logprobs.gather(1, chosen)
     ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
-    k_max = max(params[i].logprobs for i in rows)  # type: ignore[type-var]
+    k_max = max(top, default=0)
+    top_ids_l: list[list[int]] = [[] for _ in top]
+    top_vals_l: list[list[float]] = [[] for _ in top]
     if k_max > 0:
         top_vals, top_ids = logprobs.topk(min(k_max, logprobs.shape[1]), dim=-1)
         top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
-    chosen_l, chosen_lp_l, ranks_l = chosen.squeeze(1).tolist(), chosen_lp.squeeze(1).tolist(), ranks.tolist()
-    out: list[TokenLogprobs | None] = [None] * len(params)
-    for j, i in enumerate(rows):
-        k = params[i].logprobs or 0
-        top = list(zip(top_ids_l[j][:k], top_vals_l[j][:k])) if k > 0 else []
-        out[i] = TokenLogprobs(chosen_l[j], chosen_lp_l[j], ranks_l[j], top)
-    return out
+    return [TokenLogprobs(token, value, rank, list(zip(ids[:k], vals[:k])))
+            for token, value, rank, ids, vals, k in zip(chosen.squeeze(1).tolist(), chosen_lp.squeeze(1).tolist(),
+                                                        ranks.tolist(), top_ids_l, top_vals_l, top)]
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:

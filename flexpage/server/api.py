@@ -87,7 +87,7 @@ def _check_model(state: ServerState, name: str | None) -> None:
 
 
 #: request fields that do not combine with ``use_beam_search``, as (field, its no-op value)
-_NOT_WITH_BEAMS = (("stream", False), ("stop", None), ("stop_token_ids", None), ("min_tokens", 0), ("seed", None),
+_NOT_WITH_BEAMS = (("stream", False), ("echo", False), ("stop", None), ("stop_token_ids", None), ("min_tokens", 0), ("seed", None),
                    ("top_p", None), ("top_k", None), ("min_p", None), ("presence_penalty", None),
                    ("frequency_penalty", None), ("repetition_penalty", None), ("kv_budget", None),
                    ("num_speculative_tokens", None))
@@ -106,7 +106,7 @@ def _request_params(req: Any, max_tokens: int | None, logprobs: int | None,
                 raise APIError(400, f"{name} needs use_beam_search", param=name, code="invalid_value")
         return _sampling_params(req, max_tokens, logprobs, constraint)
     for name, no_op in _NOT_WITH_BEAMS:
-        value = getattr(req, name)
+        value = getattr(req, name, no_op)  # echo: completions only
         if value is not None and value != no_op:
             raise APIError(400, f"{name} cannot be combined with use_beam_search", param=name, code="unsupported")
     if logprobs is not None:
@@ -131,9 +131,11 @@ def _sampling_params(req: Any, max_tokens: int | None, logprobs: int | None,
                      constraint: Constraint | None = None) -> SamplingParams:
     if not 1 <= req.n <= MAX_N:
         raise APIError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n", code="invalid_value")
+    echo = bool(getattr(req, "echo", False))
     kwargs: dict[str, Any] = dict(
         n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, seed=req.seed,
         stop=req.stop, stop_token_ids=req.stop_token_ids, logprobs=logprobs,
+        prompt_logprobs=logprobs if echo else None,
         skip_special_tokens=req.skip_special_tokens, kv_budget=req.kv_budget,
         num_speculative_tokens=req.num_speculative_tokens,
         structured_outputs=constraint.spec if constraint is not None else None,
@@ -278,7 +280,10 @@ def build_app(state: ServerState) -> Any:
     async def completions(request: Request) -> Response:
         req, arrival = await read_request(request, CompletionRequest)
         constraint = requested_constraint(req)
-        params = _request_params(req, req.max_tokens, req.logprobs, constraint)
+        # echo with max_tokens 0 scores the prompt alone (lm-evaluation-harness's loglikelihood):
+        # one token is generated and left out of the response
+        prompt_only = bool(req.echo) and req.max_tokens == 0
+        params = _request_params(req, 1 if prompt_only else req.max_tokens, req.logprobs, constraint)
         prompts = await _completion_prompts(state, req.prompt)
         for _, ids in prompts:
             _check_length(state, len(ids), params, "prompt")
@@ -289,7 +294,7 @@ def build_app(state: ServerState) -> Any:
         await compile_constraint(state, constraint)
         return await run_request(request, state, prompts, params, arrival, chat=False, stream=bool(req.stream),
                           include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                          top_k=req.logprobs or 0, options=options)
+                          top_k=req.logprobs or 0, options=options, echo=bool(req.echo), drop_output=prompt_only)
 
     @app.post("/v1/chat/completions",
               openapi_extra=route_docs(ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk))

@@ -68,6 +68,8 @@ class Delta:
     num_cached_tokens: int
     #: speculative decoding's counts for the request so far (None: the engine does not speculate)
     speculation: SpeculationCounts | None = None
+    #: in the final delta of a request with ``prompt_logprobs``: one entry per prompt token
+    prompt_logprobs: tuple[dict[int, Logprob] | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -420,8 +422,10 @@ class EngineLoop:
             live.first_token_time = live.first_token_time or now
             live.last_token_time = now
         if samples or out.finished:
+            prompt_logprobs = tuple(out.prompt_logprobs) if out.finished and out.prompt_logprobs is not None else None
             self._post(live.sink, Delta(live.tag, tuple(samples), out.finished, len(out.prompt_token_ids),
-                                        out.num_cached_tokens, out.metrics.speculation if out.metrics else None))
+                                        out.num_cached_tokens, out.metrics.speculation if out.metrics else None,
+                                        prompt_logprobs))
         if out.finished:
             del self._live[out.request_id]
             if self.metrics is not None:

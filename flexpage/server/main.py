@@ -46,7 +46,7 @@ class ServeSettings:
     recipe: RecipeChoice = None  # see flexpage.model.layer_recipes; None: the model's own
     deterministic: bool = False  # EngineConfig.deterministic
     kv_budget_tokens: int | None = None  # EngineConfig.kv_budget_tokens
-    kv_eviction: str = "paged_eviction"  # EngineConfig.kv_eviction
+    kv_eviction: str = "key_norm"  # EngineConfig.kv_eviction
     host_kv_bytes: str = "0"  # EngineConfig.host_kv_bytes
     disk_kv_dir: str | None = None  # EngineConfig.disk_kv_dir
     disk_kv_bytes: str = "0"  # EngineConfig.disk_kv_bytes

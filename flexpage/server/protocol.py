@@ -276,7 +276,7 @@ def unsupported_fields(req: _SamplingFields) -> None:
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of is not supported (use n)", param="best_of", code="unsupported")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise APIError(400, "echo is not supported", param="echo", code="unsupported")
+        if req.echo and req.stream:
+            raise APIError(400, "echo is supported without stream only", param="echo", code="unsupported")
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")

@@ -181,9 +181,20 @@ def _top(entry: dict, k: int) -> list[tuple[int, Any]]:
     return [(tid, lp) for _, tid, lp in ranked[:k]]
 
 
-def _completion_logprobs(choice: _Choice, token_ids: tuple[int, ...], entries: tuple[dict, ...], k: int) -> dict:
+def _completion_logprobs(choice: _Choice, token_ids: tuple[int, ...], entries: tuple[dict | None, ...], k: int,
+                         decode: Callable[[int], str] | None = None) -> dict:
+    """OpenAI's legacy ``logprobs`` object. An entry of None (an echoed prompt's first token,
+    which follows nothing) has no logprob and no top ones; ``decode`` spells its token."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tid, entry in zip(token_ids, entries):
+        if entry is None:
+            token = decode(tid) if decode is not None else ""
+            out["tokens"].append(token)
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            out["text_offset"].append(choice.text_offset)
+            choice.text_offset += len(token)
+            continue
         lp = entry.get(tid)
         token = lp.decoded_token if lp is not None and lp.decoded_token is not None else ""
         out["tokens"].append(token)
@@ -222,7 +233,11 @@ def _sse(obj: Any) -> str:
 
 async def run_request(request: Request, state: ServerState, prompts: list[tuple[str | None, list[int]]],
                params: SamplingParams, arrival: float, *, chat: bool, stream: bool, include_usage: bool,
-               top_k: int, options: dict[str, Any] | None = None, tools: ToolRequest | None = None) -> Response:
+               top_k: int, options: dict[str, Any] | None = None, tools: ToolRequest | None = None,
+               echo: bool = False, drop_output: bool = False) -> Response:
+    """Submit, then stream or collect the response. ``echo`` (completions, not streamed): each
+    choice's text (and logprobs) starts with its prompt's; ``drop_output``: only the prompt's
+    (the engine generated one token, which is left out)."""
     submission = Submission(state, prompts, params, arrival, options)
     await submission.start()  # APIError if the engine refuses
     prefix = "chatcmpl-" if chat else "cmpl-"
@@ -233,7 +248,8 @@ async def run_request(request: Request, state: ServerState, prompts: list[tuple[
             _stream(request, state, submission, response_id, created, chat=chat, include_usage=include_usage,
                     top_k=top_k, tools=tools),
             media_type="text/event-stream", headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
-    return await _collect(request, state, submission, response_id, created, chat=chat, top_k=top_k, tools=tools)
+    return await _collect(request, state, submission, response_id, created, chat=chat, top_k=top_k, tools=tools,
+                          echo=echo, drop_output=drop_output)
 
 
 def _message(choice: _Choice) -> tuple[dict[str, Any], str | None]:
@@ -249,11 +265,13 @@ def _message(choice: _Choice) -> tuple[dict[str, Any], str | None]:
 
 
 async def _collect(request: Request, state: ServerState, submission: Submission, response_id: str, created: int,
-                   *, chat: bool, top_k: int, tools: ToolRequest | None) -> Response:
+                   *, chat: bool, top_k: int, tools: ToolRequest | None, echo: bool = False,
+                   drop_output: bool = False) -> Response:
     n = submission.params.n
     choices = _choices(len(submission.prompts) * n, tools)
     usage = _Usage(len(submission.prompts))
     want_logprobs = getattr(submission.params, "logprobs", None) is not None
+    prompt_logprobs: dict[int, tuple] = {}
     failure: Failed | None = None
 
     async def consume() -> None:
@@ -263,6 +281,8 @@ async def _collect(request: Request, state: ServerState, submission: Submission,
                 failure = item
                 return
             usage.update(item)
+            if item.prompt_logprobs is not None:
+                prompt_logprobs[item.tag] = item.prompt_logprobs
             for sample in item.samples:
                 choice = choices[item.tag * n + sample.index]
                 choice.text = sample.text
@@ -287,14 +307,30 @@ async def _collect(request: Request, state: ServerState, submission: Submission,
         submission.abort()
     if failure is not None:
         raise _failure_error(failure)
+    if drop_output:
+        usage.completion = 0
+        for choice in choices:
+            choice.text, choice.token_ids, choice.logprobs = "", [], []
     body_choices = []
     for i, choice in enumerate(choices):
         logprobs = None
+        echoed = ""
+        if echo:
+            text, prompt_ids = submission.prompts[i // n]
+            echoed = text if text is not None else state.tokenizer.decode(prompt_ids)
         if want_logprobs:
             entries = tuple(choice.logprobs)
             ids = tuple(choice.token_ids)
-            logprobs = _chat_logprobs(ids, entries, top_k) if chat else _completion_logprobs(choice, ids, entries,
-                                                                                            top_k)
+            if echo:
+                prompt_ids = submission.prompts[i // n][1]
+                logprobs = _completion_logprobs(choice, tuple(prompt_ids), prompt_logprobs[i // n], top_k,
+                                                decode=lambda tid: state.tokenizer.decode([tid]))
+                for key, values in _completion_logprobs(choice, ids, entries, top_k).items():
+                    logprobs[key] += values
+            else:
+                logprobs = _chat_logprobs(ids, entries, top_k) if chat else _completion_logprobs(choice, ids, entries,
+                                                                                                top_k)
+        choice.text = echoed + choice.text
         if chat:
             message, reason = _message(choice)
             body_choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})

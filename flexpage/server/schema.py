@@ -49,7 +49,7 @@ class Usage(_Shape):
 class CompletionLogprobs(_Shape):
     tokens: list[str]
     token_logprobs: list[Optional[float]]
-    top_logprobs: list[dict[str, float]]
+    top_logprobs: list[Optional[dict[str, float]]]  # None: an echoed prompt's first token
     text_offset: list[int]
 
 
