@@ -14,6 +14,8 @@
 * Structured outputs (a request option with no refused pair) run in every engine: a third
   round of requests under a JSON schema must give the tokens of a second implementation (HF's
   argmax under llguidance's mask, ``hf_constrained_greedy``).
+* Prompt logprobs (a request option with no refused pair) run in every engine: one prompt's
+  must equal HF's log-softmax of the same forward (1e-4).
 * Beam search is a request's feature (``REQUEST_FEATURES``: no engine option turns it on): it
   takes part in the covers like the others, and an engine whose cover holds it runs two beam
   searches at once after the rounds, which must give HF ``generate(num_beams=2)``'s beams;
@@ -90,6 +92,7 @@ CONSTRAINED = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                              structured_outputs=StructuredOutputsParams(json=SCHEMA))
 BEAM_PROMPTS = [ROUND_1[1], ROUND_1[4]]  # two groups at once, in the pool that preempts
 BEAMS = BeamSearchParams(beam_width=2, max_tokens=NEW_TOKENS)
+SCORED = ROUND_1[3]  # its prompt's logprobs (60 tokens: four chunks, evicted from under a budget after)
 
 
 def test_the_table_names_only_features_and_pairs_of_different_options():
@@ -245,6 +248,26 @@ def expected(models, default_model_path):
 
 
 @pytest.fixture(scope="module")
+def expected_prompt_logprobs(models):
+    """HF's log-probability of each token of SCORED after the ones before it, by weights."""
+    from flexpage.model.int8_weights import int8_blocks
+
+    cache: dict[str, list[float]] = {}
+
+    def get(weights: str) -> list[float]:
+        if weights not in cache:
+            reference = load_reference(models["gguf_folder" if weights == "gguf" else "llama"])
+            if weights == "int8":
+                int8_blocks(reference)
+            with torch.no_grad():
+                logprobs = reference(torch.tensor([SCORED])).logits[0].float().log_softmax(-1)
+            cache[weights] = [logprobs[i, token].item() for i, token in enumerate(SCORED[1:])]
+        return cache[weights]
+
+    return get
+
+
+@pytest.fixture(scope="module")
 def expected_beams(models):
     """HF's beams (best first, ``(tokens, score)``) for BEAM_PROMPTS under BEAMS, by weights."""
     from flexpage.model.int8_weights import int8_blocks
@@ -293,8 +316,8 @@ def _close(llm: LLM) -> None:
 
 @pytest.mark.usefixtures("single_torch_thread", "compile_budget")
 @pytest.mark.parametrize("names", COVERS, ids="+".join)
-def test_working_features_together_give_hf_greedy_tokens(names, models, expected, expected_beams, budget_only,
-                                                         tmp_path):
+def test_working_features_together_give_hf_greedy_tokens(names, models, expected, expected_beams,
+                                                         expected_prompt_logprobs, budget_only, tmp_path):
     weights = "gguf" if "gguf" in names else "int8" if "int8" in names else "llama"
     config = _config(names, str(models["gguf" if weights == "gguf" else "llama"]), str(tmp_path / "disk"))
     assert active_features(EngineConfig(**config)) == set(names) - REQUEST_FEATURES
@@ -308,6 +331,10 @@ def test_working_features_together_give_hf_greedy_tokens(names, models, expected
                 assert outputs[i].metrics.evicted_blocks > 0
                 want[i] = budget_only(weights)[i]
         assert tokens == want
+        scored = llm.generate([{"prompt_token_ids": SCORED}], SamplingParams(temperature=0.0, max_tokens=2,
+                                                                             prompt_logprobs=0))[0]
+        assert [entry[token].logprob for token, entry in zip(SCORED[1:], scored.prompt_logprobs[1:])] == \
+            pytest.approx(expected_prompt_logprobs(weights), abs=1e-4)
         if "beam_search" in names:
             beams = llm.beam_search([{"prompt_token_ids": p} for p in BEAM_PROMPTS], BEAMS)
             for out, hf in zip(beams, expected_beams(weights)):
