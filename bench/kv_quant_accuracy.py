@@ -1,0 +1,150 @@
+"""Which 8-bit KV scales keep SmolLM2's likelihood: a fake-quantisation study before any kernel.
+
+    python -m bench.kv_quant_accuracy [--tokens 4096] [--out PATH]
+
+HF transformers' SmolLM2-135M-Instruct (the default model, float32) scores a fixed text, teacher
+forced: the mean negative log-likelihood of every token after the first. Attention goes
+through a wrapper of HF's SDPA that rounds the keys (after RoPE, as flexpage's pool stores
+them) and values to int8 with a given scale layout and widens them back, so the only change
+is the 8-bit cache's rounding. Layouts:
+
+* ``bf16``: keys and values rounded to bfloat16 (the engine's cache today; the reference);
+* ``per_token``: one scale per token and head (max |x| over the head's channels);
+* ``per_channel_static``: one scale per layer, head and channel, calibrated once on another
+  text (max |x| over its tokens; the same channel pair for RoPE's halves) and clamped: the
+  layout that folds the key scale into the query and the value scale into the output;
+* ``per_channel_oracle``: the same, calibrated on the scored text itself (what static
+  calibration could reach at best);
+* ``kivi``: keys per channel (static, as above), values per token (KIVI, Liu et al. 2024).
+
+Texts: Python's own documentation strings (``pydoc_data.topics``, fixed for a Python
+version): the scored text from the middle, the calibration text from the start. Writes
+--out (bench/results/kv_quant_accuracy.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+DEFAULT_OUT = Path("bench/results/kv_quant_accuracy.json")
+Quantise = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def texts(tokenizer, tokens: int) -> tuple[list[int], list[int]]:
+    """(scored, calibration) token ids from disjoint parts of Python's topic documentation."""
+    from pydoc_data.topics import topics
+
+    ids = tokenizer("\n\n".join(topics[k] for k in sorted(topics))).input_ids
+    middle = len(ids) // 2
+    return ids[middle:middle + tokens], ids[:tokens]
+
+
+def round_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x / scale).round().clamp(-127, 127) * scale
+
+
+def per_token(x: torch.Tensor) -> torch.Tensor:
+    """Round ``x [B, H, T, D]`` with one scale per token and head."""
+    return round_int8(x, x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / 127)
+
+
+def channel_scales(x: torch.Tensor, rope_pairs: bool) -> torch.Tensor:
+    """Per head and channel scales ``[H, 1, D]`` of ``x [1, H, T, D]`` (max over tokens); with
+    ``rope_pairs`` channel ``i`` and ``i + D/2`` share one (RoPE rotates them together)."""
+    peak = x.abs().amax(dim=(0, 2))
+    if rope_pairs:
+        half = peak.shape[-1] // 2
+        pair = torch.maximum(peak[:, :half], peak[:, half:])
+        peak = torch.cat([pair, pair], dim=-1)
+    return (peak.clamp_min(1e-8) / 127)[:, None, :]
+
+
+class Recorder:
+    """Attention that records each layer's keys and values (for calibration) unchanged."""
+
+    def __init__(self) -> None:
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+
+    def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+def layouts(calibration: Recorder, scored: Recorder) -> dict[str, Quantise]:
+    def static(recorder: Recorder, values_per_token: bool) -> Quantise:
+        k_scales = {i: channel_scales(k, True) for i, k in recorder.keys.items()}
+        v_scales = {i: channel_scales(v, False) for i, v in recorder.values.items()}
+
+        def quantise(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            v_out = per_token(v) if values_per_token else round_int8(v, v_scales[layer])
+            return round_int8(k, k_scales[layer]), v_out
+
+        return quantise
+
+    return {
+        "bf16": lambda layer, k, v: (k.bfloat16().float(), v.bfloat16().float()),
+        "per_token": lambda layer, k, v: (per_token(k), per_token(v)),
+        "per_channel_static": static(calibration, False),
+        "per_channel_oracle": static(scored, False),
+        "kivi": static(calibration, True),
+    }
+
+
+def nll(model, ids: list[int], quantise: Quantise) -> float:
+    """Mean negative log-likelihood of ``ids[1:]`` with attention through ``quantise``."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        key, value = quantise(module.layer_idx, key, value)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("kv_quant_study", attention)
+    model.set_attn_implementation("kv_quant_study")
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from flexpage.model.loader import resolve_model_path
+
+    path = resolve_model_path(None)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    scored_ids, calibration_ids = texts(tokenizer, args.tokens)
+    calibration, scored = Recorder(), Recorder()
+    nll(model, calibration_ids, calibration)  # records the calibration text's keys and values
+    full = nll(model, scored_ids, scored)  # float32, and the scored text's own (the oracle's scales)
+    rows = {"float32": full}
+    for name, quantise in layouts(calibration, scored).items():
+        start = time.perf_counter()
+        rows[name] = nll(model, scored_ids, quantise)
+        print(f"{name:20s} NLL {rows[name]:.5f}  ppl {math.exp(rows[name]):8.3f}  "
+              f"{(rows[name] / rows['bf16'] - 1) * 100 if 'bf16' in rows else 0.0:+.3f}% vs bf16  "
+              f"({time.perf_counter() - start:.0f} s)", flush=True)
+    print(f"{'float32':20s} NLL {full:.5f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"model": str(path), "tokens": len(scored_ids), "nll": rows,
+                                    "vs_bf16_percent": {k: (v / rows["bf16"] - 1) * 100 for k, v in rows.items()}},
+                                   indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
