@@ -26,4 +26,5 @@ from flexpage.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from flexpage.sampling_params import SamplingParams  # noqa: E402
 from flexpage.structured import StructuredOutputsParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
+           "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]

@@ -324,7 +324,8 @@ class LLMEngine:
                     first = len(inputs.sample_rows)
                     inputs.sample_rows.extend(offset + p - item.start for p in positions)
                     rows.append(PromptLogprobRows(range(first, len(inputs.sample_rows)),
-                                                  [seq.token_ids[p + 1] for p in positions], request.params.prompt_logprobs))
+                                                  [seq.token_ids[p + 1] for p in positions],
+                                                  request.params.prompt_logprobs))
                     owners.append((request, positions))
             offset += item.num_new_tokens
         return rows, owners

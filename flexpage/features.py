@@ -43,8 +43,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-__all__ = ["FEATURES", "FALLBACKS", "INCOMPATIBLE", "REQUEST_FEATURES", "Feature", "UnsupportedCombination", "active_features",
-           "check_combination", "check_features", "check_request", "refusal"]
+__all__ = ["FEATURES", "FALLBACKS", "INCOMPATIBLE", "REQUEST_FEATURES", "Feature", "UnsupportedCombination",
+           "active_features", "check_combination", "check_features", "check_request", "refusal"]
 
 
 @dataclass(frozen=True)

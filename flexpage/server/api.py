@@ -87,8 +87,8 @@ def _check_model(state: ServerState, name: str | None) -> None:
 
 
 #: request fields that do not combine with ``use_beam_search``, as (field, its no-op value)
-_NOT_WITH_BEAMS = (("stream", False), ("echo", False), ("stop", None), ("stop_token_ids", None), ("min_tokens", 0), ("seed", None),
-                   ("top_p", None), ("top_k", None), ("min_p", None), ("presence_penalty", None),
+_NOT_WITH_BEAMS = (("stream", False), ("echo", False), ("stop", None), ("stop_token_ids", None), ("min_tokens", 0),
+                   ("seed", None), ("top_p", None), ("top_k", None), ("min_p", None), ("presence_penalty", None),
                    ("frequency_penalty", None), ("repetition_penalty", None), ("kv_budget", None),
                    ("num_speculative_tokens", None))
 _BEAM_ONLY = ("beam_width", "length_penalty", "early_stopping")

@@ -243,7 +243,7 @@ REFUSED_FIELDS = {
     "functions": "use tools", "function_call": "use tool_choice",
     "structural_tag": "use structured_outputs.grammar", "guided_decoding_backend": "the backend is llguidance",
     "guided_whitespace_pattern": "JSON is generated with fixed separators",
-    "prompt_logprobs": "not supported yet", "allowed_token_ids": "use structured_outputs.choice or regex",
+    "prompt_logprobs": "use echo with logprobs", "allowed_token_ids": "use structured_outputs.choice or regex",
     "bad_words": "not supported", "logits_processors": "not supported", "prediction": "not supported",
     "audio": "text only", "modalities": "text only", "include_stop_str_in_output": "not supported",
     "truncate_prompt_tokens": "not supported", "continue_final_message": "not supported",
