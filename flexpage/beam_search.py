@@ -28,6 +28,7 @@ top ``beam_width``), has no ``early_stopping`` and runs every beam to ``max_toke
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -75,11 +76,10 @@ class BeamSearchParams:
             raise InvalidParameter("temperature", f"beam search is deterministic: temperature must be 0.0, got "
                                                   f"{self.temperature!r} (beam sampling is not supported)")
         if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)) \
-                or self.length_penalty != self.length_penalty or abs(self.length_penalty) == float("inf"):
+                or not math.isfinite(self.length_penalty):
             raise InvalidParameter("length_penalty", f"length_penalty must be a finite number, got "
                                                      f"{self.length_penalty!r}")
-        if self.early_stopping not in (True, False, "never") or isinstance(self.early_stopping, int) \
-                and not isinstance(self.early_stopping, bool):
+        if self.early_stopping is not True and self.early_stopping is not False and self.early_stopping != "never":
             raise InvalidParameter("early_stopping", f"early_stopping must be True, False or 'never', got "
                                                      f"{self.early_stopping!r}")
 
