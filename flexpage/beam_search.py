@@ -61,6 +61,10 @@ class BeamSearchParams:
     early_stopping: EarlyStopping = False
     n: int | None = None
 
+    def score(self, cum_logprob: float, length: int) -> float:
+        """What a hypothesis of ``length`` generated tokens (its EOS included) is ranked by."""
+        return cum_logprob / length ** self.length_penalty
+
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
             value = getattr(self, name)
@@ -157,7 +161,7 @@ class BeamGroup:
         """One step: ``top_logprobs[i]`` are live beam ``i``'s ``beams_to_keep`` most likely
         ``(token, logprob)``, ``output_token_ids[i]`` its output so far. Records the finished
         hypotheses and returns the next live beams, best first (empty when the search is done)."""
-        width, penalty = self.params.beam_width, self.params.length_penalty
+        width = self.params.beam_width
         ranked = sorted((Candidate(i, token, self.cum_logprobs[i] + logprob)
                          for i, row in enumerate(top_logprobs) for token, logprob in row),
                         key=lambda c: -c.cum_logprob)[: self.beams_to_keep]
@@ -170,7 +174,7 @@ class BeamGroup:
         for c in ranked[:width]:
             if ends(c):
                 self.finished.append(Hypothesis(output_token_ids[c.parent] + [c.token], c.cum_logprob,
-                                                c.cum_logprob / self.generated ** penalty,
+                                                self.params.score(c.cum_logprob, self.generated),
                                                 "length" if last and c.token not in self.eos_token_ids
                                                 or self.params.ignore_eos else "stop"))
         self.finished.sort(key=lambda h: -h.score)
@@ -184,6 +188,6 @@ class BeamGroup:
     def _improvable(self, best_cum_logprob: float) -> bool:
         """Whether the best live beam may still beat the worst finished hypothesis (HF's
         early-stop heuristic, with every slot finished)."""
-        penalty = self.params.length_penalty
-        length = self.max_tokens if self.params.early_stopping == "never" and penalty > 0 else self.generated
-        return best_cum_logprob / length ** penalty > self.finished[-1].score
+        never = self.params.early_stopping == "never" and self.params.length_penalty > 0
+        return self.params.score(best_cum_logprob, self.max_tokens if never else self.generated) \
+            > self.finished[-1].score

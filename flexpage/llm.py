@@ -73,8 +73,7 @@ class LLM:
         return [BeamSearchOutput([
             BeamSearchSequence(out.prompt_token_ids + beam.token_ids,
                                tokenizer.decode(out.prompt_token_ids + beam.token_ids, skip_special_tokens=True),
-                               beam.cumulative_logprob,
-                               beam.cumulative_logprob / len(beam.token_ids) ** params.length_penalty,
+                               beam.cumulative_logprob, params.score(beam.cumulative_logprob, len(beam.token_ids)),
                                len(out.prompt_token_ids), beam.finish_reason)
             for beam in out.outputs]) for out in outputs]
 

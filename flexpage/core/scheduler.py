@@ -355,19 +355,22 @@ class Scheduler:
     def _can_allocate(self, unit: list[Sequence]) -> bool:
         """Whether every sequence of ``unit`` can be admitted (counting each one's blocks in
         full: only the prefix cache shares between them at admission)."""
-        bm, taken = self.block_manager, 0
-        for seq in unit:
-            if not bm.can_allocate(seq, self._watermark() + taken):
-                return False
-            taken += bm.blocks_for_admission(seq)
-        return True
+        bm = self.block_manager
+        return self._fit_together(unit, bm.can_allocate, bm.blocks_for_admission)
 
     def _can_swap_in(self, unit: list[Sequence]) -> bool:
-        bm, taken = self.block_manager, 0
+        bm = self.block_manager
+        return self._fit_together(unit, bm.can_swap_in, lambda seq: sum(map(len, bm.host_block_tables(seq))))
+
+    def _fit_together(self, unit: list[Sequence], fits: Callable[[Sequence, int], bool],
+                      blocks: Callable[[Sequence], int]) -> bool:
+        """Whether each sequence of ``unit`` ``fits`` with the watermark plus the ``blocks`` the
+        ones before it take kept free."""
+        taken = 0
         for seq in unit:
-            if not bm.can_swap_in(seq, self._watermark() + taken):
+            if not fits(seq, self._watermark() + taken):
                 return False
-            taken += sum(map(len, bm.host_block_tables(seq)))
+            taken += blocks(seq)
         return True
 
     def _make_room(self, unit: list[Sequence], out: SchedulerOutput) -> bool:

@@ -314,23 +314,15 @@ async def _collect(request: Request, state: ServerState, submission: Submission,
     body_choices = []
     for i, choice in enumerate(choices):
         logprobs = None
-        echoed = ""
-        if echo:
+        ids, entries = tuple(choice.token_ids), tuple(choice.logprobs)
+        if echo:  # the prompt first: its text, and its tokens' logprobs before the completion's
             text, prompt_ids = submission.prompts[i // n]
-            echoed = text if text is not None else state.tokenizer.decode(prompt_ids)
+            choice.text = (text if text is not None else state.tokenizer.decode(prompt_ids)) + choice.text
+            if want_logprobs:
+                ids, entries = tuple(prompt_ids) + ids, prompt_logprobs[i // n] + entries
         if want_logprobs:
-            entries = tuple(choice.logprobs)
-            ids = tuple(choice.token_ids)
-            if echo:
-                prompt_ids = submission.prompts[i // n][1]
-                logprobs = _completion_logprobs(choice, tuple(prompt_ids), prompt_logprobs[i // n], top_k,
-                                                decode=lambda tid: state.tokenizer.decode([tid]))
-                for key, values in _completion_logprobs(choice, ids, entries, top_k).items():
-                    logprobs[key] += values
-            else:
-                logprobs = _chat_logprobs(ids, entries, top_k) if chat else _completion_logprobs(choice, ids, entries,
-                                                                                                top_k)
-        choice.text = echoed + choice.text
+            logprobs = _chat_logprobs(ids, entries, top_k) if chat else _completion_logprobs(
+                choice, ids, entries, top_k, decode=lambda tid: state.tokenizer.decode([tid]))
         if chat:
             message, reason = _message(choice)
             body_choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
