@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexpage.attention.errors import check_arg
+from flexpage.attention.kv_quant import scale_output, scale_queries
 from flexpage.attention.paging import AttentionGroup, PagedBatch
 from flexpage.attention.recipe import Recipe
 from flexpage.backends.cpu import torch_patches
@@ -320,15 +321,31 @@ class FlexRunner:
             self._options[device] = kernel_options_for(device, self.kernel_options, deterministic=self.deterministic)
         return self._options[device]
 
-    def __call__(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, batch: PagedBatch) -> Tensor:
-        """q: [T, H, D] new-token queries in flat order -> [T, H, D] attention output."""
+    def __call__(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, batch: PagedBatch,
+                 kv_scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """q: [T, H, D] new-token queries in flat order -> [T, H, D] attention output.
+
+        ``kv_scales``: an int8 pool's (key scale, value scale) ``[H_kv, D]``
+        (:meth:`~flexpage.attention.kv_pool.KVPool.layer_scales`): the key scale is folded into
+        the query and the value scale into the output (:mod:`~flexpage.attention.kv_quant`), so
+        the kernels read the 8-bit blocks as they are."""
+        if k_pool.dtype == torch.int8:
+            check_arg(kv_scales is not None, "kv_scales", None, "(key scale, value scale) for an int8 pool")
+            q = scale_queries(q, kv_scales[0])
+            if not self.compile:  # eager flex_attention multiplies in one dtype: a widened copy (debugging only)
+                k_pool, v_pool = k_pool.to(q.dtype), v_pool.to(q.dtype)
+            return scale_output(self._attend(q, k_pool, v_pool, batch), kv_scales[1])
+        return self._attend(q, k_pool, v_pool, batch)
+
+    def _attend(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, batch: PagedBatch) -> Tensor:
         check_arg(q.dim() == 3 and q.shape[0] == batch.num_tokens, "q", tuple(q.shape),
                   f"[num_tokens={batch.num_tokens}, heads, head_dim]")
         check_arg(k_pool.dim() == 4 and k_pool.shape[0] == 1, "k_pool", tuple(k_pool.shape), "[1, kv_heads, slots, head_dim]")
         check_arg(q.shape[2] == k_pool.shape[3], "q head_dim", q.shape[2], f"the pool's head_dim {k_pool.shape[3]}")
         check_arg(q.shape[1] % k_pool.shape[1] == 0, "q heads", q.shape[1],
                   f"a multiple of the pool's {k_pool.shape[1]} kv heads")
-        check_arg(q.dtype == k_pool.dtype, "q.dtype", q.dtype, f"the pool dtype {k_pool.dtype}")
+        check_arg(q.dtype == k_pool.dtype or k_pool.dtype == torch.int8, "q.dtype", q.dtype,
+                  f"the pool dtype {k_pool.dtype}")
         check_arg(k_pool.shape[2] == batch.num_pages * batch.page_size, "k_pool slots", k_pool.shape[2],
                   f"{batch.num_pages} pages x {batch.page_size}")
         if len(batch.groups) == 1 and batch.groups[0].covers_batch_in_order:  # e.g. an all-decode step

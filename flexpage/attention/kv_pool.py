@@ -16,6 +16,11 @@ model loads and compiles, on 4 KB pages from where 2 MB pages turn out slow to p
 warm-up do). A pool dropped while it populates stops its thread at the next 32 MB chunk, and
 so does the process as it exits.
 
+An int8 pool (``dtype=torch.int8``: the 8-bit KV cache) stores keys and values in int8 steps of
+per-layer, per-head, per-channel scales (:attr:`KVPool.scales`, :mod:`flexpage.attention.kv_quant`):
+:meth:`KVPool.write` quantises, attention folds the scales into the query and the output, and
+blocks copy as bytes wherever they go.
+
 The *virtual* layout (``layout="virtual"``) keeps this shape and these block ids over a
 reservation of address space instead (:mod:`flexpage.attention.virtual_arena`): memory
 arrives page by page as tokens are written and :meth:`KVPool.release` gives it back.
@@ -36,6 +41,7 @@ import torch
 
 from flexpage import background
 from flexpage.attention.errors import check_arg
+from flexpage.attention.kv_quant import quantize
 from flexpage.attention.virtual_arena import VirtualArena
 
 #: where K/V live: one pool of blocks claimed up front, or one reserved row per sequence
@@ -71,6 +77,7 @@ class KVPool:
             check_arg(isinstance(value, int) and value > 0, name, value, "a positive int")
         check_arg(num_blocks >= 2, "num_blocks", num_blocks, "at least 2 (block 0 is the null block)")
         check_arg(layout in KV_LAYOUTS, "layout", layout, f"one of {KV_LAYOUTS}")
+        check_arg(dtype in _POOL_DTYPES, "dtype", dtype, f"one of {_POOL_DTYPES}")
         check_arg(layout == "paged" or torch.device(device).type == "cpu", "layout", layout,
                   "'paged' off the CPU (the virtual layout relies on the OS's demand paging)")
         self.num_layers = num_layers
@@ -97,6 +104,30 @@ class KVPool:
             weakref.finalize(self, stop.set)
         self._layers = [(_separate_tensor(self.storage[i, 0]), _separate_tensor(self.storage[i, 1]))
                         for i in range(num_layers)]
+        #: int8 pools: ``[num_layers, 2 (K, V), num_kv_heads, head_dim]`` float32 scales (ones until
+        #: :meth:`set_scales`); None for float pools
+        self.scales = (torch.ones(num_layers, 2, num_kv_heads, head_dim, device=self.device)
+                       if dtype == torch.int8 else None)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the pool holds int8 steps of :attr:`scales`."""
+        return self.scales is not None
+
+    def set_scales(self, scales: torch.Tensor) -> None:
+        """Set an int8 pool's scales ``[num_layers, 2, num_kv_heads, head_dim]`` (in place: compiled
+        steps hold the tensors), before anything is written: blocks already written would be read
+        with the new scales."""
+        check_arg(self.scales is not None, "set_scales", self.dtype, "an int8 pool")
+        check_arg(tuple(scales.shape) == tuple(self.scales.shape), "scales", tuple(scales.shape),
+                  f"shape {tuple(self.scales.shape)}")
+        check_arg(bool((scales > 0).all()) and bool(scales.isfinite().all()), "scales", "some <= 0 or not finite",
+                  "positive finite scales")
+        self.scales.copy_(scales)
+
+    def layer_scales(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(key scale, value scale) ``[num_kv_heads, head_dim]`` of one layer; None for float pools."""
+        return None if self.scales is None else (self.scales[index, 0], self.scales[index, 1])
 
     def wait_until_resident(self) -> None:
         """Return once every page of a paged pool is faulted in (at once for the other layouts)."""
@@ -121,11 +152,14 @@ class KVPool:
         return self._layers[index]
 
     def write(self, index: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store new K/V for a batch of tokens in one vectorised scatter.
+        """Store new K/V for a batch of tokens in one vectorised scatter (an int8 pool quantises them).
 
         slots: [T] int64 pool slots; key/value: [T, H_kv, D].
         """
         k_pool, v_pool = self.layer(index)
+        scales = self.layer_scales(index)
+        if scales is not None:
+            key, value = quantize(key, scales[0]), quantize(value, scales[1])
         write_kv(k_pool, v_pool, slots, key, value)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -162,6 +196,10 @@ class KVPool:
 
     def _block_slots(self, blocks: list[int]) -> torch.Tensor:
         return block_slots(blocks, self.block_size, self.device)
+
+
+#: what a pool may hold: a model's float dtype, or int8 steps of per-channel scales
+_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
 
 
 def block_slots(blocks: Sequence[int], block_size: int, device: torch.device | str = "cpu") -> torch.Tensor:

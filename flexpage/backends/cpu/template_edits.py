@@ -11,6 +11,9 @@ a header it reads) changes: Inductor's FX graph cache does not see template text
 from pathlib import Path
 
 STOCK_PV_BRANCH = "          if (!std::is_same_v<scalar_t, at::Half>) {\n            at::native::cpublas::brgemm("
+# float32 P@V takes MKL's sgemm only over float32 values; 8-bit values go through the micro-gemm
+LEAN_PV_BRANCH = ("          if (!std::is_same_v<scalar_t, at::Half> && std::is_same_v<kv_t, scalar_t>) {\n"
+                  "            at::native::cpublas::brgemm(")
 TUNED_PV_BRANCH = "          if (false) {  // flexpage: P@V through the micro-gemm\n            at::native::cpublas::brgemm("
 # The float32 micro-gemm computes q @ k^T (a transposed B) one of two ways, picked by the rows
 # of the block it is called for: with 24 x rows <= head_dim (1-2 rows at head_dim 64: a decode
@@ -84,6 +87,48 @@ TAIL_EDITS = (
     ("{%- for b in range(block_m, 0, -1) %}",
      "{%- for b in range(block_m, 0, -1) if b == block_m or b in (1, 2, 4, 8, 16, 32, 64) %}"),
 )
+
+# 8-bit K/V (the int8 KV cache, :mod:`flexpage.attention.kv_pool`): the kernel's key and value
+# pointers take the keys' own type (``kv_t``; the query's for every other kernel, as before), the
+# micro-gemms widen each 8-bit row to float32 as they load it (Inductor's own int8 B operand), and
+# such kernels never pack for AMX (its brgemm multiplies 16-bit pairs only) nor take MKL's sgemm.
+# The stock kernel preamble is edited for every kernel; its text is unchanged where kv_t is scalar_t.
+KV_TYPE_EDIT = (
+    """  const scalar_t* k_data = key;
+  const scalar_t* v_data = value;
+""",
+    """  using kv_t = {{kernel.dtype(key)}};  // flexpage: keys and values may be 8-bit
+  const kv_t* k_data = key;
+  const kv_t* v_data = value;
+""")
+KV8_EDITS = (
+    ("""  if (is_reduced_type) {
+    // check platform ability""",
+     """  if (is_reduced_type && std::is_same_v<kv_t, scalar_t>) {  // flexpage: 8-bit K/V never pack
+    // check platform ability"""),
+    ("""                  {{kernel.kernel_name}}_conditional_data_ptr(qk_data, qk_reduced_data),
+                  v_addr,
+                  dst_data,
+                  need_pack);""",
+     """                  {{kernel.kernel_name}}_conditional_data_ptr(qk_data, qk_reduced_data),
+                  reinterpret_cast<const scalar_t*>(v_addr),  // flexpage: taken only where kv_t is scalar_t
+                  dst_data,
+                  need_pack);"""),
+    (STOCK_PV_BRANCH, LEAN_PV_BRANCH),
+)
+# The micro-gemm's transposed-B inner-product path loads A as int8 wherever B is int8 (Inductor
+# wrote it for int8 x int8); a float32 or bf16 query row is loaded as what it is.
+MICRO_GEMM_INT8_A_EDIT = (
+    """    {%- elif input2_dtype == torch.int8 %}
+                auto a32 = at::vec::convert_to_int32<int8_t>(A + (sM * m + s) * lda + k * VLEN, e_k);
+                va = at::vec::convert<float>(a32);""",
+    """    {%- elif input2_dtype == torch.int8 and input_dtype == torch.int8 %}
+                auto a32 = at::vec::convert_to_int32<int8_t>(A + (sM * m + s) * lda + k * VLEN, e_k);
+                va = at::vec::convert<float>(a32);
+    {%- elif input2_dtype == torch.int8 and input_dtype == torch.bfloat16 %}
+                va = at::vec::convert<float>(at::vec::Vectorized<at::BFloat16>::loadu(A + (sM * m + s) * lda + k * VLEN, e_k));
+    {%- elif input2_dtype == torch.int8 %}
+                va = Vectorized::loadu(A + (sM * m + s) * lda + k * VLEN, e_k);""")
 
 # Text edits of the stock template (each must match exactly once, else nothing is tuned).
 LEAN_EDITS = (
@@ -336,9 +381,9 @@ LEAN_EDITS = (
 """,
      """        auto i_kv = is_broadcast_bs_kv ? i/bs_shards : i;
         auto j_kv = is_broadcast_head_kv ? j/gqa_shards : j;
-        if (is_reduced_type && !need_pack && cur_qSplitSize <= 16) {  // flexpage: this block's V and the next block's K and V on their way
-          const int64_t row_bytes = headSize * static_cast<int64_t>(sizeof(scalar_t));
-          auto prefetch_rows = [row_bytes](const scalar_t* rows, int64_t count, int64_t stride) {
+        if ((is_reduced_type || sizeof(kv_t) == 1) && !need_pack && cur_qSplitSize <= 16) {  // flexpage: this block's V and the next block's K and V on their way
+          const int64_t row_bytes = headSize * static_cast<int64_t>(sizeof(kv_t));
+          auto prefetch_rows = [row_bytes](const kv_t* rows, int64_t count, int64_t stride) {
             for (int64_t r = 0; r < count; ++r) {
               for (int64_t b = 0; b < row_bytes; b += 64) {
                 __builtin_prefetch(reinterpret_cast<const char*>(rows + r * stride) + b, 0, 2);

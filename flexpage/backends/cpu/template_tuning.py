@@ -85,8 +85,11 @@ from flexpage.backends.cpu.template_edits import (
     DOT_BF16_SOURCE,
     ENTRY_ROW_LOOP,
     KERNEL_BODY_START,
+    KV8_EDITS,
+    KV_TYPE_EDIT,
     LEAN_EDITS,
-    STOCK_PV_BRANCH,
+    LEAN_PV_BRANCH,
+    MICRO_GEMM_INT8_A_EDIT,
     STOCK_TRANSPOSED_CHOICE,
     TAIL_EDITS,
     TUNED_PV_BRANCH,
@@ -99,7 +102,7 @@ DETERMINISTIC_OPTION = "FLEXPAGE_DETERMINISTIC_CPU_TEMPLATE"
 #: kernel option: bf16 micro-gemms on AVX512-BF16 dot products (see :func:`dot_bf16_option`);
 #: only with :data:`TUNED_OPTION`, never deterministic
 DOT_BF16_OPTION = "FLEXPAGE_AVX512_BF16_DOT"
-TUNING_VERSION = 32  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
+TUNING_VERSION = 33  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
 # 6: no K/V packing buffers unless packing; 7: only the visited key blocks are packed;
 # 12: float32 prefill micro-gemms block up to 16 rows (8-11: experiments);
 # 13: AVX2 kernels never pack and keep stock micro-gemms; 14-15: deterministic kernels;
@@ -110,6 +113,7 @@ TUNING_VERSION = 32  # 2: float32 kernels stay stock; 5: lean per-key-block work
 # 23: a tail of rows computed in power-of-two row blocks; 24: items handed to threads one at a time;
 # 25-26: bf16 prefill micro-gemms in whole 16-row blocks (dot_bf16.h rows_of_16), AVX512-BF16 probabilities, row max
 # 27-32: a bf16/fp16 visit of few query rows (decode) prefetches its block's values and the next block (27-30: experiments)
+# 33: 8-bit keys and values
 _MAX_BLOCK_M = 16  # float32 prefill: 8 rows 10-15% slower, 32 no faster
 _MIN_FP32_BLOCKED_ROWS = 16  # decode blocks (1-8 packed query heads) keep one-row blocking in float32
 
@@ -133,21 +137,29 @@ def apply() -> bool:
     from torch._inductor import lowering
     from torch._inductor.codegen import cpp_flex_attention_template as template_module
     from torch._inductor.codegen import cpp_micro_gemm
+    from torch._inductor.kernel.flex import flex_attention as flex_attention_module
 
     template_cls = template_module.CppFlexAttentionTemplate
     if getattr(template_cls, "_flexpage_tuning", False):
         return True
     stock_template = template_module.FLEX_ATTENTION_TEMPLATE
-    if any(stock_template.count(old) != 1 for old, _ in (*LEAN_EDITS, (STOCK_PV_BRANCH, None))):
+    if any(stock_template.count(old) != 1 for old, _ in (*LEAN_EDITS, *KV8_EDITS)):
+        return False
+    if template_module.INIT_PARAMS.count(KV_TYPE_EDIT[0]) != 1:
         return False
     lean_template = stock_template
-    for old, new in LEAN_EDITS:
+    for old, new in (*LEAN_EDITS, *KV8_EDITS):
         lean_template = lean_template.replace(old, new)
-    reduced_template = lean_template.replace(STOCK_PV_BRANCH, TUNED_PV_BRANCH)
+    reduced_template = lean_template.replace(LEAN_PV_BRANCH, TUNED_PV_BRANCH)
     if any(reduced_template.count(old) != 1 for old, _ in DETERMINISTIC_EDITS):
         return False
     stock_kernel = cpp_micro_gemm.CppMicroGemmFP32Vec.TEMPLATE_KERNEL
     if stock_kernel.count(STOCK_TRANSPOSED_CHOICE) != 2 or stock_kernel.count(KERNEL_BODY_START) != 1:
+        return False
+    if stock_kernel.count(MICRO_GEMM_INT8_A_EDIT[0]) != 1:
+        return False
+    kv8_lowering = _lower_cpu_reading_8bit_kv()
+    if kv8_lowering is None:
         return False
     tail_entry = cpp_micro_gemm.CppMicroGemmFP32Vec.TEMPLATE_ENTRY
     if any(tail_entry.count(old) != 1 for old, _ in TAIL_EDITS) or tail_entry.count(ENTRY_ROW_LOOP) != 1:
@@ -167,6 +179,10 @@ def apply() -> bool:
         tuned = bool(kernel_options.get(TUNED_OPTION, False))
         deterministic = tuned and bool(kernel_options.get(DETERMINISTIC_OPTION, False))
         dot_bf16 = tuned and not deterministic and bool(kernel_options.get(DOT_BF16_OPTION, False))
+        key = args[1] if len(args) > 1 else kwargs.get("key")
+        if key is not None and key.get_dtype() == torch.int8 and not tuned:
+            raise ValueError("8-bit keys and values need flexpage's tuned CPU template (kernel option "
+                             f"{TUNED_OPTION}); PyTorch's stock CPU kernel reads one dtype only")
         token = _lowering.set(_Lowering(tuned, tuned and _is_identity(score_mod), deterministic, dot_bf16))
         try:
             return stock_lowering(*args, **kwargs)
@@ -214,11 +230,12 @@ def apply() -> bool:
         # decode row must get the arithmetic of the same token's row in a prefill block
         deterministic = getattr(self, "flexpage_deterministic", False)
         blocked = (_rows_blocked(self) and not deterministic) or (deterministic and _compiles_avx512())
-        if not (getattr(self, "flexpage_tuned", False) and blocked):
+        kv_dtype = self.input_nodes[1].get_dtype()  # the micro-gemms' B: keys, then values
+        if not (getattr(self, "flexpage_tuned", False) and (blocked or kv_dtype == torch.int8)):
             return stock_micro_gemm_define(self, kernel_name)
         stock_gemm = cpp_micro_gemm.CppMicroGemmFP32Vec
-        block_m = max(1, min(int(self.q_block_size), _MAX_BLOCK_M))
-        kernel_text = stock_gemm.TEMPLATE_KERNEL
+        block_m = max(1, min(int(self.q_block_size), _MAX_BLOCK_M)) if blocked else None
+        kernel_text = stock_gemm.TEMPLATE_KERNEL.replace(*MICRO_GEMM_INT8_A_EDIT)
         if self.flexpage_deterministic:
             kernel_text = kernel_text.replace(STOCK_TRANSPOSED_CHOICE, DETERMINISTIC_TRANSPOSED_CHOICE)
         head_dim = _static_head_dim(self)
@@ -238,8 +255,9 @@ def apply() -> bool:
 
             def __init__(self, name, input_dtype, input2_dtype, output_dtype, compute_dtype, blocking,  # noqa: ANN001
                          *rest) -> None:  # noqa: ANN002
-                blocking = type(blocking)(block_m, blocking.block_n, blocking.block_k)
-                super().__init__(name, input_dtype, input2_dtype, output_dtype, compute_dtype, blocking, *rest)
+                if block_m is not None:
+                    blocking = type(blocking)(block_m, blocking.block_n, blocking.block_k)
+                super().__init__(name, input_dtype, kv_dtype, output_dtype, compute_dtype, blocking, *rest)
 
         cpp_micro_gemm.CppMicroGemmFP32Vec = RowBlockedGemm
         try:
@@ -248,12 +266,37 @@ def apply() -> bool:
             cpp_micro_gemm.CppMicroGemmFP32Vec = stock_gemm
 
     lowering.lowerings[hop] = flex_attention_lowering
+    template_module.INIT_PARAMS = template_module.INIT_PARAMS.replace(*KV_TYPE_EDIT)
+    flex_attention_module.lower_cpu = kv8_lowering
     template_cls.__init__ = __init__
     template_cls.choose_flex_template = choose_flex_template
     template_cls.micro_gemm_define = micro_gemm_define
     template_cls.modification = modification
     template_cls._flexpage_tuning = True
     return True
+
+
+# The check in Inductor's CPU lowering of flex_attention that refuses keys of another dtype than
+# the query's; the edited lowering lets 8-bit keys and values through (the flex_attention front
+# end allows them already), and only the tuned template reads them (the lowering hook refuses the rest).
+_STOCK_DTYPE_CHECK = "    if query.dtype != key.dtype or query.dtype != value.dtype:"
+_KV8_DTYPE_CHECK = ("    if key.dtype != value.dtype or (key.dtype != query.dtype and key.dtype != torch.int8):"
+                    "  # flexpage: 8-bit K/V")
+
+
+def _lower_cpu_reading_8bit_kv() -> Any:
+    """Inductor's ``lower_cpu`` with its dtype check widened to 8-bit keys and values, compiled
+    from its own source in its own module's namespace; None where the check's text is not there."""
+    import inspect
+
+    from torch._inductor.kernel.flex import flex_cpu
+
+    source = inspect.getsource(flex_cpu.lower_cpu)
+    if source.count(_STOCK_DTYPE_CHECK) != 1 or not source.startswith("def lower_cpu("):
+        return None
+    namespace = dict(vars(flex_cpu))
+    exec(compile(source.replace(_STOCK_DTYPE_CHECK, _KV8_DTYPE_CHECK), flex_cpu.__file__, "exec"), namespace)
+    return namespace["lower_cpu"]
 
 
 def installed() -> bool:

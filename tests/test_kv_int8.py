@@ -1,0 +1,139 @@
+"""The 8-bit KV cache's attention: int8 pools against a float64 dense reference.
+
+An int8 pool holds ``round(x / scale)`` with one scale per KV head and channel
+(:mod:`flexpage.attention.kv_quant`). Attention over it must equal, within the query dtype's
+rounding, float64 attention over the *dequantised* pool (``int8 * scale``): the quantisation
+error itself is the accuracy benchmark's business (``bench/kv_dtype.py``), not the kernel's.
+Every batch spec of ``test_paged_attention`` runs decode rows over the pool in place (the
+tuned template reading 8-bit blocks) and prefill rows over a gathered copy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention_reference import BatchSpec, Geometry, PagedCase, reference_paged_attention, rel_err
+from flexpage.attention.flex import FlexRunner
+from flexpage.attention.kv_pool import KVPool
+from flexpage.attention.kv_quant import calibration_scales, dequantize, quantize, scale_output, scale_queries
+from flexpage.recipes.causal import causal
+from flexpage.recipes.sliding_window import sliding_window
+
+pytestmark = pytest.mark.usefixtures("compile_budget", "single_torch_thread")
+
+DECODE = BatchSpec("decode", seq_lens=(1, 16, 17, 32, 33, 100), query_lens=(1, 1, 1, 1, 1, 1),
+                   shared_prefix=((3, 4, 1), (4, 5, 2)))
+MIXED = BatchSpec("mixed", seq_lens=(32, 40, 48, 56, 96, 33), query_lens=(1, 1, 5, 5, 40, 33),
+                  shared_prefix=((0, 1, 1), (1, 4, 2)))
+FP32 = Geometry("fp32-gqa8/2-d64", torch.float32, 8, 2, 64, 1e-5)
+BF16 = Geometry("bf16-gqa9/3-d64", torch.bfloat16, 9, 3, 64, 2e-2)
+
+
+def int8_case(spec: BatchSpec, geometry: Geometry, recipe=None) -> tuple[PagedCase, KVPool]:
+    """A float case, and an int8 pool holding its K/V quantised with per-channel scales (keys
+    with channel pairs of different ranges, as RoPE'd keys have)."""
+    case = PagedCase(spec, geometry, recipe or causal(), page_size=16, num_pages=48, width=8)
+    g = torch.Generator().manual_seed(7)
+    spread = torch.rand(geometry.kv_heads, geometry.head_dim, generator=g) * 4 + 0.25  # channel ranges differ
+    case.k_pool.mul_(spread[:, None].to(geometry.dtype))
+    pool = KVPool(num_layers=1, num_blocks=48, block_size=16, num_kv_heads=geometry.kv_heads,
+                  head_dim=geometry.head_dim, dtype=torch.int8)
+    k_max = case.k_pool[0].float().abs().amax(1)
+    v_max = case.v_pool[0].float().abs().amax(1)
+    pool.set_scales(torch.stack((calibration_scales(k_max), calibration_scales(v_max, rope_pairs=False)))[None])
+    k8, v8 = pool.layer(0)
+    k_scale, v_scale = pool.layer_scales(0)
+    k8[0].copy_(quantize(case.k_pool[0].transpose(0, 1), k_scale).transpose(0, 1))
+    v8[0].copy_(quantize(case.v_pool[0].transpose(0, 1), v_scale).transpose(0, 1))
+    return case, pool
+
+
+def dequantised_reference(case: PagedCase, pool: KVPool, variant=None) -> torch.Tensor:
+    k8, v8 = pool.layer(0)
+    k_scale, v_scale = pool.layer_scales(0)
+    k = dequantize(k8[0].transpose(0, 1), k_scale).transpose(0, 1)[None]
+    v = dequantize(v8[0].transpose(0, 1), v_scale).transpose(0, 1)[None]
+    return reference_paged_attention(case.q, k, v, case.block_tables, case.spec.seq_lens, case.spec.query_lens,
+                                     page_size=16, variant=variant)
+
+
+@pytest.mark.parametrize("geometry", [FP32, BF16], ids=str)
+@pytest.mark.parametrize("spec", [DECODE, MIXED], ids=str)
+def test_compiled_attention_over_an_int8_pool_equals_the_dequantised_reference(spec, geometry):
+    case, pool = int8_case(spec, geometry)
+    k8, v8 = pool.layer(0)
+    out = FlexRunner(causal())(case.q, k8, v8, case.batch, pool.layer_scales(0))
+    assert out.dtype == geometry.dtype and out.shape == case.q.shape
+    assert rel_err(out, dequantised_reference(case, pool)) < geometry.tol
+
+
+def test_eager_attention_over_an_int8_pool_equals_the_dequantised_reference():
+    case, pool = int8_case(MIXED, FP32)
+    k8, v8 = pool.layer(0)
+    out = FlexRunner(causal(), compile=False)(case.q, k8, v8, case.batch, pool.layer_scales(0))
+    assert rel_err(out, dequantised_reference(case, pool)) < FP32.tol
+
+
+def test_a_recipe_runs_unchanged_over_an_int8_pool():
+    """The scales never enter the score: a recipe's mask (here a sliding window) sees the same
+    positions as over a float pool."""
+    from attention_reference import SlidingWindow
+
+    case, pool = int8_case(DECODE, FP32, sliding_window(24))
+    k8, v8 = pool.layer(0)
+    out = FlexRunner(sliding_window(24))(case.q, k8, v8, case.batch, pool.layer_scales(0))
+    assert rel_err(out, dequantised_reference(case, pool, SlidingWindow(24))) < FP32.tol
+
+
+def test_the_quantisation_error_is_bounded_by_half_a_step():
+    """Within the calibrated range every value is within half a step of its int8 code; beyond it
+    values saturate at the range's edge."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 2, 8, generator=g)
+    scale = calibration_scales(x.abs().amax(0), rope_pairs=False)
+    err = (dequantize(quantize(x, scale), scale) - x).abs()
+    assert bool((err <= scale / 2 + 1e-7).all())
+    big = quantize(x * 100, scale)
+    assert int(big.abs().max()) == 127
+
+
+def test_scales_fold_into_queries_and_outputs_exactly_in_float32():
+    """``(q * s_k) . k8 == q . (s_k * k8)`` and ``s_v * sum p v8 == sum p (s_v * v8)``, head by head
+    for grouped queries (query head h uses KV head h // group)."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(5, 6, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(5, 2, 8, generator=g, dtype=torch.float64)
+    s = torch.rand(2, 8, generator=g, dtype=torch.float64) + 0.5
+    folded = (scale_queries(q, s) * k.repeat_interleave(3, 1)).sum(-1)
+    direct = (q * (s * k).repeat_interleave(3, 1)).sum(-1)
+    torch.testing.assert_close(folded, direct)
+    torch.testing.assert_close(scale_output(q, s), q * s.repeat_interleave(3, 0))
+
+
+def test_an_int8_pool_refuses_missing_scales_and_bad_ones():
+    case, pool = int8_case(DECODE, FP32)
+    k8, v8 = pool.layer(0)
+    with pytest.raises(ValueError, match="kv_scales"):
+        FlexRunner(causal(), compile=False)(case.q, k8, v8, case.batch)
+    with pytest.raises(ValueError, match="scales"):
+        pool.set_scales(torch.zeros_like(pool.scales))
+    with pytest.raises(ValueError, match="set_scales"):
+        case.pool.set_scales(torch.ones(1, 2, FP32.kv_heads, FP32.head_dim))
+
+
+def test_an_int8_pool_holds_twice_the_tokens_of_bf16_per_byte():
+    int8 = KVPool(num_layers=2, num_blocks=4, block_size=16, num_kv_heads=3, head_dim=64, dtype=torch.int8)
+    bf16 = KVPool(num_layers=2, num_blocks=4, block_size=16, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+    assert bf16.bytes_per_token == 2 * int8.bytes_per_token
+    assert int8.storage.nbytes * 2 == bf16.storage.nbytes
+
+
+def test_writes_quantise_with_the_layer_scales():
+    pool = KVPool(num_layers=1, num_blocks=4, block_size=4, num_kv_heads=2, head_dim=4, dtype=torch.int8)
+    pool.set_scales(torch.full((1, 2, 2, 4), 0.5))
+    key = torch.tensor([[[1.0, -1.2, 0.2, 100.0]] * 2])
+    pool.write(0, torch.tensor([5]), key, -key)
+    k8, v8 = pool.layer(0)
+    assert k8[0, :, 5].tolist() == [[2, -2, 0, 127]] * 2
+    assert v8[0, :, 5].tolist() == [[-2, 2, 0, -127]] * 2
