@@ -180,6 +180,9 @@ def serve(
                                                 "address space the OS backs on first write; no prefix caching)."),
     kv_resident_bytes: Optional[str] = typer.Option(None, help="With --kv-layout virtual: KV memory in use at once, "
                                                                "e.g. 2GiB [default: --kv-cache-memory]."),
+    kv_cache_dtype: str = typer.Option("auto", help="What the KV cache stores: auto (the model's dtype) | int8 "
+                                                    "(8-bit K/V, per-channel scales calibrated at start: twice the "
+                                                    "tokens per byte; docs/kv-cache-dtype.md)."),
     quantization: str = typer.Option("auto", help="auto (a GGUF model's Q4_1/Q8_0 weights are computed from their "
                                                   "blocks: in float32 always, in bf16 where the CPU has AVX512-BF16) | "
                                                   "none (the model's weights only) | int8 (projections and LM head "
@@ -230,8 +233,8 @@ def serve(
         enable_prefix_caching=not no_prefix_caching, swap_space=swap_space, preemption_mode=preemption_mode,
         kv_budget_tokens=kv_budget, kv_eviction=kv_eviction, host_kv_bytes=host_kv_bytes, disk_kv_dir=disk_kv_dir,
         disk_kv_bytes=disk_kv_bytes, kv_tier_policy=kv_tier_policy, kv_layout=kv_layout,
-        kv_resident_bytes=kv_resident_bytes, tensor_parallel_size=tensor_parallel_size, quantization=quantization,
-        tensor_parallel_timeout=tensor_parallel_timeout, seed=seed, speculative_config=speculative_config,
+        kv_resident_bytes=kv_resident_bytes, kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size,
+        quantization=quantization, tensor_parallel_timeout=tensor_parallel_timeout, seed=seed, speculative_config=speculative_config,
         max_request_body=max_request_body,
         drain_timeout=drain_timeout, warmup=warmup, tool_prompt=tool_prompt,
         log_level=log_level,

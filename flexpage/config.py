@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from flexpage.attention.kv_pool import KV_LAYOUTS
+from flexpage.attention.kv_quant import KV_CACHE_DTYPES
 from flexpage.core.kv_tiers import TIER_POLICIES
 from flexpage.features import check_combination
 
@@ -117,6 +118,10 @@ class EngineConfig:
     # max_model_len tokens per sequence that the OS backs page by page; shares nothing, so
     # prefix caching is turned off). See docs/kv-layouts.md
     kv_layout: str = "paged"
+    # what the pool stores (flexpage.attention.kv_quant.KV_CACHE_DTYPES; vLLM's kv_cache_dtype):
+    # "auto" (the model's dtype) or "int8" (8-bit K/V with static per-channel scales calibrated at
+    # start-up: twice the tokens in kv_cache_memory, half the bytes read per step). docs/kv-cache-dtype.md
+    kv_cache_dtype: str = "auto"
     # virtual layout: KV bytes in use at once (admission control); None: kv_cache_memory
     kv_resident_bytes: int | str | None = None
     # ranks that each hold 1/N of every layer and of the KV heads (flexpage.parallel; vLLM's
@@ -172,6 +177,8 @@ class EngineConfig:
         if self.kv_tier_policy not in TIER_POLICIES:
             raise ValueError(f"kv_tier_policy: got {self.kv_tier_policy!r}, expected one of {TIER_POLICIES}")
         self._check_kv_layout()
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: got {self.kv_cache_dtype!r}, expected one of {KV_CACHE_DTYPES}")
         self._check_tensor_parallel()
         self._check_speculative()
         if self.quantization not in QUANTIZATIONS:

@@ -84,6 +84,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("deterministic", "deterministic", "deterministic=True", lambda c: c.deterministic is True),
     Feature("gguf", "quantization", "quantization='auto' on a GGUF model", _gguf_model),
     Feature("int8", "quantization", "quantization='int8'", lambda c: c.quantization == "int8"),
+    Feature("int8_kv", "kv_cache_dtype", "kv_cache_dtype='int8'", lambda c: c.kv_cache_dtype == "int8"),
     Feature("compiled", "compile", "compile=True", lambda c: c.compile is True),
     Feature("eager", "compile", "compile=False", lambda c: c.compile is False),
     Feature("no_chunked_prefill", "enable_chunked_prefill", "enable_chunked_prefill=False",
@@ -131,6 +132,12 @@ INCOMPATIBLE: dict[frozenset[str], str] = _pairs({
     ("tensor_parallel", "transformers_impl"): "ranks shard the compact forward (Llama, Mistral, Qwen2, Qwen3), "
                                               "not HF's modules",
     ("int8", "tensor_parallel", "deterministic", "transformers_impl"): _INT8,
+    ("int8_kv", "tensor_parallel", "transformers_impl"): "the 8-bit cache's scales are calibrated by the compact "
+                                                         "forward in one process",
+    ("int8_kv", "deterministic"): "deterministic rows must compute alike over the pool and over a gathered copy; "
+                                  "8-bit decode rows widen their keys in another kernel than prefill rows",
+    ("int8_kv", "virtual"): "a virtual row is read in place by prefill rows too, and the 8-bit prefill kernel "
+                            "over the pool is untested",
     ("speculative", "kv_budget"): "a budget scores and evicts blocks as they fill, and a verification step fills "
                                   "blocks with proposed tokens that may be rolled back",
     ("beam_search", "virtual"): "beams fork at every step, and a virtual-layout fork copies its parent's blocks "

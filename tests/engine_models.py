@@ -270,3 +270,27 @@ def hf_beams(model: Any, prompt_ids: list[int], beam_width: int, max_new_tokens:
         ends = [i for i, t in enumerate(tokens) if t in eos_ids]
         beams.append((tokens[: ends[0] + 1] if ends else tokens, score))
     return beams
+
+
+def round_kv_as_int8(model: Any, scales: torch.Tensor) -> Any:
+    """``model`` (HF) with every layer's keys (after RoPE) and values rounded as flexpage's int8 KV
+    cache stores them, ``scales [layers, 2, kv_heads, head_dim]`` (the engine's pool scales),
+    before HF's own SDPA attention: a second implementation of the 8-bit cache's arithmetic
+    (quantise, widen, attend), written without the kernels' scale folding."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def rounded(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # x [B, H_kv, T, D], scale [H_kv, D]
+        s = scale[None, :, None, :].to(x.dtype)
+        return (x / s).round().clamp(-127, 127) * s
+
+    def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                  **kwargs: Any) -> Any:
+        layer = scales[module.layer_idx]
+        return sdpa_attention_forward(module, query, rounded(key, layer[0]), rounded(value, layer[1]), *args, **kwargs)
+
+    AttentionInterface.register("int8_kv_reference", attention)
+    AttentionMaskInterface.register("int8_kv_reference", sdpa_mask)
+    model.set_attn_implementation("int8_kv_reference")
+    return model

@@ -8,7 +8,8 @@
   workload that preempts (10 usable blocks of 16 tokens for 6 prompts of 16 new tokens), chunks
   prompts (16 tokens a step) and comes back to cached prefixes; greedy tokens must equal HF
   transformers' (``generate``-equivalent argmax, fp32) on the same weights (int8: the
-  quantised weights). Each feature's own effect is asserted too (preemptions, spilled
+  quantised weights; an int8 KV cache: HF's attention over K/V rounded with the engine's
+  calibrated scales, ``round_kv_as_int8``). Each feature's own effect is asserted too (preemptions, spilled
   blocks, evicted blocks, blocks computed from, the compiled step run ...), so a pair
   cannot pass with one side silently off; a fallback pair asserts the fallback.
 * Structured outputs (a request option with no refused pair) run in every engine: a third
@@ -43,7 +44,7 @@ import pytest
 import torch
 
 from engine_models import hf_constrained_greedy, hf_greedy, load_reference, random_prompts
-from engine_models import hf_beams
+from engine_models import hf_beams, round_kv_as_int8
 from flexpage import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from flexpage.config import EngineConfig
 from flexpage.features import (FALLBACKS, FEATURES, INCOMPATIBLE, REQUEST_FEATURES, UnsupportedCombination,
@@ -66,6 +67,7 @@ SETTINGS: dict[str, dict] = {
     "deterministic": dict(deterministic=True),
     "gguf": dict(),  # the model: the tiny Q4_1 GGUF
     "int8": dict(quantization="int8"),
+    "int8_kv": dict(kv_cache_dtype="int8"),
     "compiled": dict(compile=True),
     "eager": dict(compile=False),
     "no_chunked_prefill": dict(enable_chunked_prefill=False),
@@ -225,64 +227,74 @@ def models(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def expected(models, default_model_path):
-    """HF's greedy tokens for ROUND_1 + ROUND_2 (then ROUND_3's under SCHEMA), by weights:
-    ``"llama"``, ``"int8"``, ``"gguf"``."""
+def reference(models):
+    """``reference(weights, kv_scales)``: HF's model of those weights (``"llama"``, ``"int8"``,
+    ``"gguf"``); with ``kv_scales`` (an int8 KV cache's), its K/V rounded as the cache rounds them."""
     from flexpage.model.int8_weights import int8_blocks
+
+    def get(weights: str, kv_scales: torch.Tensor | None = None):
+        model = load_reference(models["gguf_folder" if weights == "gguf" else "llama"])
+        if weights == "int8":
+            int8_blocks(model)
+        return model if kv_scales is None else round_kv_as_int8(model, kv_scales)
+
+    return get
+
+
+class _ByReference:
+    """Reference results cached by (weights, int8 KV cache or not); the scales of every engine
+    with an int8 cache over the same weights must be the same (calibration is deterministic)."""
+
+    def __init__(self, compute) -> None:
+        self.compute = compute
+        self.cache: dict[tuple[str, bool], object] = {}
+        self.scales: dict[str, torch.Tensor] = {}
+
+    def __call__(self, weights: str, kv_scales: torch.Tensor | None = None):
+        if kv_scales is not None:
+            assert torch.equal(self.scales.setdefault(weights, kv_scales.clone()), kv_scales)
+        key = (weights, kv_scales is not None)
+        if key not in self.cache:
+            self.cache[key] = self.compute(weights, kv_scales)
+        return self.cache[key]
+
+
+@pytest.fixture(scope="module")
+def expected(reference, default_model_path):
+    """HF's greedy tokens for ROUND_1 + ROUND_2 (then ROUND_3's under SCHEMA)."""
     from flexpage.model.loader import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path)
 
-    cache: dict[str, list[list[int]]] = {}
+    def compute(weights: str, kv_scales: torch.Tensor | None) -> list[list[int]]:
+        model = reference(weights, kv_scales)
+        return [hf_greedy(model, p, NEW_TOKENS, stop_at_eos=False) for p in ROUND_1 + ROUND_2] + [
+            hf_constrained_greedy(model, tokenizer, p, SCHEMA, NEW_TOKENS) for p in ROUND_3]
 
-    def get(weights: str) -> list[list[int]]:
-        if weights not in cache:
-            reference = load_reference(models["gguf_folder" if weights == "gguf" else "llama"])
-            if weights == "int8":
-                int8_blocks(reference)
-            cache[weights] = [hf_greedy(reference, p, NEW_TOKENS, stop_at_eos=False) for p in ROUND_1 + ROUND_2] + [
-                hf_constrained_greedy(reference, tokenizer, p, SCHEMA, NEW_TOKENS) for p in ROUND_3]
-        return cache[weights]
-
-    return get
+    return _ByReference(compute)
 
 
 @pytest.fixture(scope="module")
-def expected_prompt_logprobs(models):
-    """HF's log-probability of each token of SCORED after the ones before it, by weights."""
-    from flexpage.model.int8_weights import int8_blocks
+def expected_prompt_logprobs(reference):
+    """HF's log-probability of each token of SCORED after the ones before it."""
 
-    cache: dict[str, list[float]] = {}
+    def compute(weights: str, kv_scales: torch.Tensor | None) -> list[float]:
+        with torch.no_grad():
+            logprobs = reference(weights, kv_scales)(torch.tensor([SCORED])).logits[0].float().log_softmax(-1)
+        return [logprobs[i, token].item() for i, token in enumerate(SCORED[1:])]
 
-    def get(weights: str) -> list[float]:
-        if weights not in cache:
-            reference = load_reference(models["gguf_folder" if weights == "gguf" else "llama"])
-            if weights == "int8":
-                int8_blocks(reference)
-            with torch.no_grad():
-                logprobs = reference(torch.tensor([SCORED])).logits[0].float().log_softmax(-1)
-            cache[weights] = [logprobs[i, token].item() for i, token in enumerate(SCORED[1:])]
-        return cache[weights]
-
-    return get
+    return _ByReference(compute)
 
 
 @pytest.fixture(scope="module")
-def expected_beams(models):
-    """HF's beams (best first, ``(tokens, score)``) for BEAM_PROMPTS under BEAMS, by weights."""
-    from flexpage.model.int8_weights import int8_blocks
+def expected_beams(reference):
+    """HF's beams (best first, ``(tokens, score)``) for BEAM_PROMPTS under BEAMS."""
 
-    cache: dict[str, list[list[tuple[list[int], float]]]] = {}
+    def compute(weights: str, kv_scales: torch.Tensor | None) -> list[list[tuple[list[int], float]]]:
+        model = reference(weights, kv_scales)
+        return [hf_beams(model, p, BEAMS.beam_width, BEAMS.max_tokens) for p in BEAM_PROMPTS]
 
-    def get(weights: str) -> list[list[tuple[list[int], float]]]:
-        if weights not in cache:
-            reference = load_reference(models["gguf_folder" if weights == "gguf" else "llama"])
-            if weights == "int8":
-                int8_blocks(reference)
-            cache[weights] = [hf_beams(reference, p, BEAMS.beam_width, BEAMS.max_tokens) for p in BEAM_PROMPTS]
-        return cache[weights]
-
-    return get
+    return _ByReference(compute)
 
 
 def _run(llm: LLM) -> tuple[list[list[int]], list]:
@@ -295,14 +307,14 @@ def _run(llm: LLM) -> tuple[list[list[int]], list]:
 @pytest.fixture(scope="module")
 def budget_only(models):
     """The tokens of a budget-only engine (per weights) for the requests the budget evicts from."""
-    cache: dict[str, list[list[int]]] = {}
+    cache: dict[tuple[str, bool], list[list[int]]] = {}
 
-    def get(weights: str) -> list[list[int]]:
-        if weights not in cache:
-            names = ["kv_budget"] + ([weights] if weights != "llama" else [])
+    def get(weights: str, int8_kv: bool) -> list[list[int]]:
+        if (weights, int8_kv) not in cache:
+            names = ["kv_budget"] + ([weights] if weights != "llama" else []) + (["int8_kv"] if int8_kv else [])
             config = _config(names, str(models["gguf" if weights == "gguf" else "llama"]))
-            cache[weights] = _run(LLM(**config))[0]
-        return cache[weights]
+            cache[weights, int8_kv] = _run(LLM(**config))[0]
+        return cache[weights, int8_kv]
 
     return get
 
@@ -324,20 +336,22 @@ def test_working_features_together_give_hf_greedy_tokens(names, models, expected
     llm = LLM(**config)
     try:
         engine = llm.engine
+        # an int8 KV cache: the references round K/V with the engine's calibrated scales
+        kv_scales = engine.runner.pool.scales if "int8_kv" in names else None
         tokens, outputs = _run(llm)
-        want = list(expected(weights))
+        want = list(expected(weights, kv_scales))
         if "kv_budget" in names:
             for i in EVICTING:
                 assert outputs[i].metrics.evicted_blocks > 0
-                want[i] = budget_only(weights)[i]
+                want[i] = budget_only(weights, kv_scales is not None)[i]
         assert tokens == want
         scored = llm.generate([{"prompt_token_ids": SCORED}], SamplingParams(temperature=0.0, max_tokens=2,
                                                                              prompt_logprobs=0))[0]
         assert [entry[token].logprob for token, entry in zip(SCORED[1:], scored.prompt_logprobs[1:])] == \
-            pytest.approx(expected_prompt_logprobs(weights), abs=1e-4)
+            pytest.approx(expected_prompt_logprobs(weights, kv_scales), abs=1e-4)
         if "beam_search" in names:
             beams = llm.beam_search([{"prompt_token_ids": p} for p in BEAM_PROMPTS], BEAMS)
-            for out, hf in zip(beams, expected_beams(weights)):
+            for out, hf in zip(beams, expected_beams(weights, kv_scales)):
                 assert [beam.output_token_ids for beam in out.sequences] == [tokens for tokens, _ in hf]
                 assert [beam.score for beam in out.sequences] == pytest.approx([score for _, score in hf], abs=1e-4)
         stats, runner = engine.stats(), engine.runner
@@ -361,6 +375,8 @@ def test_working_features_together_give_hf_greedy_tokens(names, models, expected
                 assert runner.compiled_step is not None and runner.compiled_step.steps_run > 0
         if "deterministic" in names:
             assert runner.deterministic
+        if "int8_kv" in names:
+            assert runner.pool.dtype == torch.int8 and runner.host.dtype == torch.int8
         if "speculative" in names:
             assert stats["spec_decode_num_accepted_tokens"] > 0  # proposals were verified and accepted
     finally:

@@ -137,3 +137,94 @@ def test_writes_quantise_with_the_layer_scales():
     k8, v8 = pool.layer(0)
     assert k8[0, :, 5].tolist() == [[2, -2, 0, 127]] * 2
     assert v8[0, :, 5].tolist() == [[-2, 2, 0, -127]] * 2
+
+
+# ---- the engine: calibration, capacity, greedy tokens against HF over the same rounded K/V ----------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_model):
+    return tiny_model("llama", num_key_value_heads=2)
+
+
+def _llm(folder, **overrides):
+    from flexpage import LLM
+
+    settings = dict(dtype="float32", block_size=16, num_blocks=24, max_model_len=256, max_num_batched_tokens=32)
+    return LLM(model=str(folder), **{**settings, **overrides})
+
+
+@pytest.mark.parametrize("compile", [True, False], ids=["compiled_step", "eager"])
+def test_engine_greedy_tokens_equal_hf_over_the_same_int8_rounding(tiny_llama, compile):
+    """Greedy tokens of an int8-cache engine (prompts chunked, a prefix reused) equal HF's argmax
+    with each layer's K/V rounded by the engine's own calibrated scales (``round_kv_as_int8``)."""
+    from engine_models import hf_greedy, load_reference, random_prompts, round_kv_as_int8
+    from flexpage import SamplingParams
+
+    prompts = random_prompts((5, 40, 70), seed=3)
+    prompts.append(prompts[2][:48] + [7, 8, 9])  # a cached prefix of three blocks
+    llm = _llm(tiny_llama, kv_cache_dtype="int8", compile=compile)
+    try:
+        runner = llm.engine.runner
+        assert runner.pool.dtype == torch.int8 and (runner.compiled_step is not None) == compile
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        reference = round_kv_as_int8(load_reference(tiny_llama), runner.pool.scales)
+        assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(reference, p, 12, stop_at_eos=False)
+                                                             for p in prompts]
+        assert llm.engine.stats()["prefix_cache_hits"] > 0
+        assert llm.engine.block_manager.stats().used == 0
+    finally:
+        llm.engine.close()
+
+
+def test_calibrated_scales_cover_the_calibration_keys_with_headroom(tiny_llama):
+    """Each layer's scales come from a forward over the calibration text: the largest key and
+    value of every channel (RoPE pairs sharing one range) fits in 127 steps with room to spare,
+    and is not so small a step that it wastes most of the range."""
+    from engine_models import load_reference
+    from flexpage.model.compact import CompactDecoder
+    from flexpage.model.kv_calibration import calibrate_kv_scales
+
+    decoder = CompactDecoder(load_reference(tiny_llama))
+    ids = list(range(3, 300))
+    scales = calibrate_kv_scales(decoder, ids)
+    assert scales.shape == (2, 2, 2, 16) and bool((scales > 0).all())
+    half = 8
+    torch.testing.assert_close(scales[:, 0, :, :half], scales[:, 0, :, half:])  # key pairs share a range
+    recorded = {}
+
+    def attend(layer, q, k, v):  # the calibration forward again, recording each layer's maxima
+        recorded[layer] = (k.abs().amax(0), v.abs().amax(0))
+        g = decoder.num_heads // decoder.num_kv_heads
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.repeat_interleave(g, 1).transpose(0, 1), v.repeat_interleave(g, 1).transpose(0, 1),
+            is_causal=True, scale=decoder.scale).transpose(0, 1)
+
+    decoder.forward(torch.tensor(ids), torch.arange(len(ids)), torch.tensor([0]), attend)
+    for layer, (k_max, v_max) in recorded.items():
+        assert bool((k_max <= 127 * scales[layer, 0]).all()) and bool((v_max <= 127 * scales[layer, 1]).all())
+        assert bool((v_max >= 0.5 * 127 * scales[layer, 1]).all())  # values' own maxima use most of the range
+
+
+def test_an_int8_cache_holds_twice_the_tokens_in_the_same_memory(tiny_llama):
+    """``kv_cache_memory`` is a byte budget: the int8 cache fits twice the tokens of the model's dtype."""
+    sizes = {}
+    for dtype in ("auto", "int8"):
+        llm = _llm(tiny_llama, kv_cache_dtype=dtype, num_blocks=None, kv_cache_memory="4MiB", compile=False)
+        try:
+            sizes[dtype] = llm.engine.stats()["kv_capacity_tokens"]
+        finally:
+            llm.engine.close()
+    assert sizes["int8"] >= 1.9 * sizes["auto"]
+
+
+def test_an_int8_cache_is_refused_where_it_cannot_run(tiny_model):
+    from flexpage.features import UnsupportedCombination
+
+    with pytest.raises(ValueError, match="kv_cache_dtype: got 'fp4'"):
+        _llm(tiny_model("llama"), kv_cache_dtype="fp4")
+    with pytest.raises(UnsupportedCombination, match="deterministic=True cannot be combined with kv_cache_dtype='int8'"):
+        _llm(tiny_model("llama"), kv_cache_dtype="int8", deterministic=True)
+    with pytest.raises(ValueError, match="one kind of attention layer"):
+        _llm(tiny_model("gemma2"), kv_cache_dtype="int8", compile=False)

@@ -31,6 +31,8 @@ KV_CACHE_DTYPES = ("auto", "int8")
 QMAX = 127
 #: calibrated maxima are widened by this much: text unlike the calibration text saturates less
 HEADROOM = 1.25
+#: the smallest scale (a channel whose calibrated values were all zero)
+MIN_SCALE = 1e-6
 
 
 def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -70,10 +72,10 @@ def calibration_scales(abs_max: Tensor, rope_pairs: bool = True) -> Tensor:
     range widened by :data:`HEADROOM` over :data:`QMAX` steps. ``rope_pairs``: channels ``i`` and
     ``i + D/2`` share the larger range (RoPE rotates each such pair by the token's position, so
     either channel of a pair can take the other's values). A channel never seen nonzero gets
-    a scale of one step per 1e-3, so it stays finite."""
+    :data:`MIN_SCALE`, so every scale is positive."""
     abs_max = abs_max.float()
     if rope_pairs:
         half = abs_max.shape[-1] // 2
         paired = torch.maximum(abs_max[..., :half], abs_max[..., half: 2 * half])
         abs_max = torch.cat((paired, paired, abs_max[..., 2 * half:]), -1)
-    return (abs_max.clamp_min(1e-3 * QMAX) * HEADROOM / QMAX).contiguous()
+    return (abs_max * HEADROOM / QMAX).clamp_min(MIN_SCALE).contiguous()

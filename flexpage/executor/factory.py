@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from flexpage.attention.eviction import EvictionPolicy
+from flexpage.attention.kv_quant import storage_dtype
 from flexpage.attention.recipe import Recipe
 from flexpage.backends.cpu.vec_isa_cache import probe_in_background
 from flexpage.config import EngineConfig, parse_size
@@ -22,6 +23,7 @@ from flexpage.core.layer_groups import LayerGroup
 from flexpage.executor import Executor
 from flexpage.executor.local import LocalExecutor
 from flexpage.model.dtypes import default_dtype, parse_dtype
+from flexpage.model.kv_calibration import calibration_token_ids
 from flexpage.model.kv_eviction import resolve_eviction_policy
 from flexpage.model.kv_tier_storage import TierStorage
 from flexpage.model.layer_recipes import engine_recipes
@@ -83,7 +85,8 @@ def build_executor(config: EngineConfig) -> tuple[Executor, ModelInfo, KVSizing]
         layer_groups=layer_groups_for(recipes), eviction_policy=resolve_eviction_policy(config.kv_eviction),
         flop_cost_slope=_flop_cost_slope(model, text_config),
     )
-    bytes_per_block = _kv_bytes_per_token(text_config, dtype, len(info.layer_groups[0].layers)) * config.block_size
+    kv_dtype = storage_dtype(config.kv_cache_dtype, dtype)  # int8: twice the blocks in kv_cache_memory
+    bytes_per_block = _kv_bytes_per_token(text_config, kv_dtype, len(info.layer_groups[0].layers)) * config.block_size
     num_blocks = config.num_blocks or max(2, parse_size(config.kv_cache_memory) // bytes_per_block)
     run_length = config.blocks_per_attention_block(dtype)
     # the virtual layout: one row of max_model_len tokens (whole key blocks) per sequence and
@@ -102,7 +105,8 @@ def build_executor(config: EngineConfig) -> tuple[Executor, ModelInfo, KVSizing]
                          blocks_per_attention_block=run_length, model_impl=config.model_impl,
                          deterministic=config.deterministic, compile_step=config.compile_step,
                          kv_layout=config.kv_layout, gguf_path=None if gguf is None else str(gguf),
-                         int8_weights=config.quantization == "int8")
+                         int8_weights=config.quantization == "int8", kv_cache_dtype=config.kv_cache_dtype,
+                         kv_calibration_ids=calibration_token_ids(tokenizer) if kv_dtype == torch.int8 else None)
     eos = info.eos_token_ids[0] if info.eos_token_ids else None
     executor: Executor
     if config.tensor_parallel_size > 1:

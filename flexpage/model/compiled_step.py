@@ -19,6 +19,10 @@ What makes the graph cheap to build and to run:
 * **KV written in place.** Each layer's K and V pools are tensors of their own storage
   (:meth:`flexpage.attention.kv_pool.KVPool.layer`), written with ``index_copy_`` in the graph:
   views of one shared storage made Inductor copy whole pools around every write.
+* **8-bit KV** (an int8 pool): each layer's K/V are quantised as they are written, its key
+  scale multiplies the queries and its value scale the attention output
+  (:mod:`flexpage.attention.kv_quant`); decode rows read the 8-bit pool in place, prefill rows
+  widen their gathered copy.
 * **Packed weights as inputs**, so that one graph serves every layer; Inductor lowers the
   oneDNN call through :mod:`flexpage.backends.cpu.packed_linear_lowering`. A projection kept as
   GGUF blocks passes them instead (its weight is None) and runs ``flexpage::block_linear``
@@ -46,6 +50,7 @@ from flexpage.attention.flex import (
     _gathered_group_attention, _group_attention, gathered_attention_dtype, kernel_options_for,
 )
 from flexpage.attention.kv_pool import KVPool
+from flexpage.attention.kv_quant import quantize, scale_output, scale_queries
 from flexpage.attention.paging import AttentionGroup, PagedBatch, idle_decode_group
 from flexpage.attention.recipe import Recipe
 from flexpage.backends.cpu import torch_patches
@@ -112,7 +117,7 @@ class CompiledStep:
             qk_norm=decoder.layers[0].q_norm is not None,
             page_size=pool.block_size, pages_per_block=pages_per_block, recipe=recipe,
             kernel_options=tuple(sorted(options.items())),
-            gathered_dtype=gathered_attention_dtype(pool.dtype, pool.device, deterministic),
+            gathered_dtype=gathered_attention_dtype(decoder.final_norm.dtype, pool.device, deterministic),
             parallel=decoder.parallel, vocab_size=decoder.vocab_size, hidden=decoder.hidden_size,
         )
         self.layer_weights = tuple(
@@ -120,7 +125,8 @@ class CompiledStep:
              layer.post_norm, *_weights(layer.gate_up), *_weights(layer.down))
             for layer in decoder.layers
         )
-        self.layer_pools = tuple(pool.layer(i) for i in range(len(decoder.layers)))
+        # (K, V) per layer; an int8 pool's (K, V, key scale, value scale)
+        self.layer_pools = tuple((*pool.layer(i), *(pool.layer_scales(i) or ())) for i in range(len(decoder.layers)))
         self.head = (decoder.final_norm, *_weights(decoder.lm_head))
         self.embed = decoder.embed if decoder.embed_blocks is None else decoder.embed_blocks
         #: what the graph specialises on in the weights and pools, whose tensors it does not guard
@@ -399,7 +405,8 @@ def _forward(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
     def attention_and_mlp(hidden: Tensor, q: Tensor, k_pool: Tensor, v_pool: Tensor, o_w: Tensor,
                           o_blocks: Tensor | None, o_b: Tensor | None, post_norm: Tensor, gate_up_w: Tensor,
                           gate_up_blocks: Tensor | None, gate_up_b: Tensor | None, down_w: Tensor,
-                          down_blocks: Tensor | None, down_b: Tensor | None, *plan: Tensor) -> Tensor:
+                          down_blocks: Tensor | None, down_b: Tensor | None, value_scale: Tensor | None,
+                          *plan: Tensor) -> Tensor:
         out = hidden.new_zeros(hidden.shape[0], heads * dim)  # padding rows attend to nothing
         start = 0
         for kind, q_block, kv_block in groups:
@@ -412,6 +419,8 @@ def _forward(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
             else:
                 rows_out, tokens = prefill_attention(q, k_pool, v_pool, q_block, kv_block, *group_plan)
             out = out.index_copy(0, tokens, rows_out)
+        if value_scale is not None:  # an int8 pool: the values' scales, folded out of the kernels
+            out = scale_output(out.view(-1, heads, dim), value_scale).view(out.shape)
         hidden = hidden + reduce(linear(out, o_w, o_blocks, o_b))
         gate, up = linear(norm(hidden, post_norm), gate_up_w, gate_up_blocks, gate_up_b).chunk(2, -1)
         return hidden + reduce(linear(F.silu(gate) * up, down_w, down_blocks, down_b))
@@ -424,15 +433,20 @@ def _forward(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
             hidden = F.embedding(token_ids, embed)
         else:
             hidden = shape.parallel.embed(token_ids, embed)
-        for weights, (k_pool, v_pool) in zip(layer_weights, layer_pools):
+        for weights, (k_pool, v_pool, *kv_scales) in zip(layer_weights, layer_pools):
             (input_norm, qkv_w, qkv_blocks, qkv_b, q_norm, k_norm, o_w, o_blocks, o_b, post_norm, gu_w, gu_blocks, gu_b,
              down_w, down_blocks, down_b) = weights
             q, k, v = attention_inputs(hidden, cos, sin, input_norm, qkv_w, qkv_blocks, qkv_b, q_norm, k_norm)
+            k, v = k.index_select(0, kv_rows), v.index_select(0, kv_rows)
+            value_scale = None
+            if kv_scales:  # an int8 pool (see the module docstring)
+                key_scale, value_scale = kv_scales
+                k, v, q = quantize(k, key_scale), quantize(v, value_scale), scale_queries(q, key_scale)
             # in place, on tensors that alias nothing else in the graph (see the module docstring)
-            k_pool.index_copy_(2, slots, k.index_select(0, kv_rows).transpose(0, 1)[None])
-            v_pool.index_copy_(2, slots, v.index_select(0, kv_rows).transpose(0, 1)[None])
+            k_pool.index_copy_(2, slots, k.transpose(0, 1)[None])
+            v_pool.index_copy_(2, slots, v.transpose(0, 1)[None])
             hidden = attention_and_mlp(hidden, q, k_pool, v_pool, o_w, o_blocks, o_b, post_norm, gu_w, gu_blocks, gu_b,
-                                       down_w, down_blocks, down_b, *plan)
+                                       down_w, down_blocks, down_b, value_scale, *plan)
         final_norm, lm_w, lm_blocks, lm_b = head
         logits = linear(norm(hidden[sample_rows], final_norm), lm_w, lm_blocks, lm_b)
         if shape.parallel is None:

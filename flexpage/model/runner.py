@@ -47,6 +47,7 @@ from flexpage.attention.flex import (
     FlexRunner, check_deterministic_supported, deterministic_decode_in_place, raised_compile_limits,
 )
 from flexpage.attention.kv_pool import KVPool, block_slots
+from flexpage.attention.kv_quant import storage_dtype
 from flexpage.attention.paging import PagedBatch, build_paged_batch, next_power_of_two, token_positions
 from flexpage.attention.recipe import Recipe, offset_heads
 from flexpage.config import MODEL_IMPLS
@@ -58,6 +59,7 @@ from flexpage.model import gguf_linear
 from flexpage.model.compact import CompactDecoder, supports
 from flexpage.model.compiled_step import CompiledStep
 from flexpage.model.int8_weights import int8_blocks
+from flexpage.model.kv_calibration import calibrate_kv_scales
 from flexpage.model.layer_recipes import model_recipes, recipe_for
 from flexpage.model.packed_linear import tiled_rows
 from flexpage.model.sharding import shard_llama
@@ -156,7 +158,7 @@ def _attend(step: PagedStep, layer: int, recipe: Recipe, scale: float | None, q:
     if runner_key not in step.runners:
         step.runners[runner_key] = FlexRunner(recipe, compile=step.compile, scale=scale,
                                               deterministic=step.deterministic)
-    return step.runners[runner_key](q, k_pool, v_pool, batch)
+    return step.runners[runner_key](q, k_pool, v_pool, batch, step.pool.layer_scales(slot))
 
 
 def _no_mask(*args: object, **kwargs: object) -> None:
@@ -180,7 +182,8 @@ class ModelRunner:
                  recipes: Sequence[Recipe] | None = None, deterministic: bool = False,
                  compile_step: bool = True, kv_layout: str = "paged",
                  parallel: TensorParallel | None = None, gguf_path: str | None = None,
-                 int8_weights: bool = False) -> None:
+                 int8_weights: bool = False, kv_cache_dtype: str = "auto",
+                 kv_calibration_ids: Sequence[int] | None = None) -> None:
         """``recipes``: one per decoder layer (:func:`~flexpage.model.layer_recipes.engine_recipes`);
         None: the model's own (:func:`~flexpage.model.layer_recipes.model_recipes`).
 
@@ -214,6 +217,11 @@ class ModelRunner:
         ``int8_weights``: quantise the projections and the LM head to int8 per output channel
         (:mod:`~flexpage.model.int8_weights`) and compute them with the same kernel; needs the
         compact forward, one process, not deterministic, and the kernel (x86 with AVX2).
+
+        ``kv_cache_dtype``: ``"auto"`` (the model's dtype) or ``"int8"``: the pool holds 8-bit K/V
+        (:mod:`~flexpage.attention.kv_quant`), its scales calibrated here by one forward over
+        ``kv_calibration_ids`` (:mod:`~flexpage.model.kv_calibration`); needs the compact forward
+        and one layer group.
         """
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl: got {model_impl!r}, expected one of {MODEL_IMPLS}")
@@ -279,9 +287,11 @@ class ModelRunner:
             num_kv_heads=(self.compact.num_kv_heads if parallel is not None  # this rank's
                           else getattr(text_config, "num_key_value_heads", None) or num_heads),
             head_dim=head_dim,
-            dtype=self.dtype,
+            dtype=storage_dtype(kv_cache_dtype, self.dtype),
             layout=kv_layout,
         )
+        if self.pool.quantized:
+            self._calibrate(kv_calibration_ids)
         self.compile = compile
         self.compiled_step = (
             CompiledStep(self.compact, self.layer_recipes[0], self.pool, blocks_per_attention_block,
@@ -294,7 +304,17 @@ class ModelRunner:
         # the host tier for preemption by swapping: same layout as the pool's slots
         self.num_host_blocks = num_host_blocks
         rows = self.pool.storage.shape[0] * 2 * self.pool.num_kv_heads
-        self.host = torch.zeros(rows, num_host_blocks * block_size, head_dim, dtype=self.dtype)
+        self.host = torch.zeros(rows, num_host_blocks * block_size, head_dim, dtype=self.pool.dtype)
+
+    def _calibrate(self, token_ids: Sequence[int] | None) -> None:
+        """Set an int8 pool's scales from one forward over ``token_ids`` (see ``kv_cache_dtype``)."""
+        if self.compact is None or len(self.layer_groups) > 1:
+            raise ValueError("kv_cache_dtype: 'int8' needs the compact forward (a Llama-family model, model_impl "
+                             "'auto' or 'flexpage') and one kind of attention layer (one layer group)")
+        if not token_ids:
+            raise ValueError("kv_calibration_ids: an int8 KV cache needs calibration token ids "
+                             "(flexpage.model.kv_calibration.calibration_token_ids(tokenizer))")
+        self.pool.set_scales(calibrate_kv_scales(self.compact, token_ids))
 
     def _block_kernel_missing(self, compact: bool, row_tile: int | None,
                               parallel: TensorParallel | None) -> str | None:

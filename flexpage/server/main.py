@@ -53,6 +53,7 @@ class ServeSettings:
     kv_tier_policy: str = "retention"  # EngineConfig.kv_tier_policy
     kv_layout: str = "paged"  # EngineConfig.kv_layout
     kv_resident_bytes: str | None = None  # EngineConfig.kv_resident_bytes
+    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype
     tensor_parallel_size: int = 1  # EngineConfig.tensor_parallel_size
     tensor_parallel_timeout: float = 120.0  # EngineConfig.tensor_parallel_timeout
     quantization: str = "auto"  # EngineConfig.quantization
@@ -101,7 +102,7 @@ def run_server(settings: ServeSettings) -> int:
         kv_eviction=settings.kv_eviction, host_kv_bytes=settings.host_kv_bytes, disk_kv_dir=settings.disk_kv_dir,
         disk_kv_bytes=settings.disk_kv_bytes, kv_tier_policy=settings.kv_tier_policy,
         kv_layout=settings.kv_layout, kv_resident_bytes=settings.kv_resident_bytes,
-        tensor_parallel_size=settings.tensor_parallel_size, tensor_parallel_timeout=settings.tensor_parallel_timeout,
+        kv_cache_dtype=settings.kv_cache_dtype, tensor_parallel_size=settings.tensor_parallel_size, tensor_parallel_timeout=settings.tensor_parallel_timeout,
         quantization=settings.quantization, speculative_config=settings.speculative_config,
     )
     timings = {"load": 0.0, "warm-up": 0.0}
@@ -220,7 +221,7 @@ def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str
     table.add_row("model", f"{served_name}  ({engine.model_path})")
     table.add_row("dtype", str(engine.dtype).replace("torch.", ""))
     table.add_row("KV cache", f"{int(stats['kv_capacity_tokens']):,} tokens = {int(stats['kv_blocks_total'])} blocks "
-                              f"x {engine.config.block_size}")
+                              f"x {engine.config.block_size}, {_kv_dtype_summary(engine)}")
     table.add_row("max model len", f"{engine.max_model_len:,} tokens; max {engine.config.max_num_seqs} sequences, "
                                    f"{engine.config.max_num_batched_tokens} batched tokens / step")
     table.add_row("KV layout", _layout_summary(engine))
@@ -253,6 +254,13 @@ def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str
     table.add_row("startup", f"load {load_s:.1f} s, warm-up {warm_s:.1f} s")
     console.print(Panel(table, title="[bold]flexpage serve[/bold]", subtitle="Ctrl-C drains and stops",
                         expand=False))
+
+
+def _kv_dtype_summary(engine: Any) -> str:
+    """What one cached token costs: its dtype and bytes."""
+    pool = engine.runner.pool
+    kind = "int8 (per-channel scales calibrated at start)" if pool.quantized else str(pool.dtype).replace("torch.", "")
+    return f"{kind}, {pool.bytes_per_token:,} bytes a token"
 
 
 def _parallel_summary(engine: Any) -> str:

@@ -92,14 +92,19 @@ TAIL_EDITS = (
 # pointers take the keys' own type (``kv_t``; the query's for every other kernel, as before), the
 # micro-gemms widen each 8-bit row to float32 as they load it (Inductor's own int8 B operand), and
 # such kernels never pack for AMX (its brgemm multiplies 16-bit pairs only) nor take MKL's sgemm.
-# The stock kernel preamble is edited for every kernel; its text is unchanged where kv_t is scalar_t.
+# The kernel preamble is shared by every kernel: stock kernels keep its stock text.
 KV_TYPE_EDIT = (
     """  const scalar_t* k_data = key;
   const scalar_t* v_data = value;
 """,
-    """  using kv_t = {{kernel.dtype(key)}};  // flexpage: keys and values may be 8-bit
+    """{%- if template.flexpage_tuned %}
+  using kv_t = {{kernel.dtype(key)}};  // flexpage: keys and values may be 8-bit
   const kv_t* k_data = key;
   const kv_t* v_data = value;
+{%- else %}
+  const scalar_t* k_data = key;
+  const scalar_t* v_data = value;
+{%- endif %}
 """)
 KV8_EDITS = (
     ("""  if (is_reduced_type) {
