@@ -46,8 +46,9 @@ SUBJECTS = ("photosynthesis", "the French revolution", "prime numbers", "the moo
 def chat_prompts(tokenizer, count: int) -> list[list[int]]:  # noqa: ANN001
     """``count`` one-turn chat prompts (task x subject), as token ids through the chat template."""
     texts = [task.format(subject) for subject in SUBJECTS for task in TASKS][:count]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
-            for t in texts]
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+             for t in texts]
+    return [tokenizer(chat, add_special_tokens=False).input_ids for chat in chats]
 
 
 def scored_text(tokenizer, tokens: int) -> list[int]:  # noqa: ANN001

@@ -274,9 +274,10 @@ def hf_beams(model: Any, prompt_ids: list[int], beam_width: int, max_new_tokens:
 
 def round_kv_as_int8(model: Any, scales: torch.Tensor) -> Any:
     """``model`` (HF) with every layer's keys (after RoPE) and values rounded as flexpage's int8 KV
-    cache stores them, ``scales [layers, 2, kv_heads, head_dim]`` (the engine's pool scales),
-    before HF's own SDPA attention: a second implementation of the 8-bit cache's arithmetic
-    (quantise, widen, attend), written without the kernels' scale folding."""
+    cache stores them, ``scales [layers, 2, kv_heads, head_dim]`` (the engine's pool scales), and
+    its queries on the int8 grid the cache's kernels multiply (``kv_quant.scale_queries``), before
+    HF's own SDPA attention: a second implementation of the 8-bit cache's arithmetic (quantise,
+    widen, attend), written without the kernels' scale folding."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -285,10 +286,18 @@ def round_kv_as_int8(model: Any, scales: torch.Tensor) -> Any:
         s = scale[None, :, None, :].to(x.dtype)
         return (x / s).round().clamp(-127, 127) * s
 
+    def on_grid(query: torch.Tensor, key_scale: torch.Tensor) -> torch.Tensor:  # [B, H, T, D]: the query the
+        # cache's kernels see, (query * key scale) rounded per row to 127 steps of its largest element, unscaled
+        per_head = key_scale.repeat_interleave(query.shape[1] // key_scale.shape[0], 0)[None, :, None, :]
+        scaled = query * per_head
+        step = (scaled.abs().amax(-1, keepdim=True) / 127).clamp_min(torch.finfo(query.dtype).tiny)
+        return (scaled / step).round() * step / per_head
+
     def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
                   **kwargs: Any) -> Any:
         layer = scales[module.layer_idx]
-        return sdpa_attention_forward(module, query, rounded(key, layer[0]), rounded(value, layer[1]), *args, **kwargs)
+        return sdpa_attention_forward(module, on_grid(query, layer[0]), rounded(key, layer[0]), rounded(value, layer[1]),
+                                      *args, **kwargs)
 
     AttentionInterface.register("int8_kv_reference", attention)
     AttentionMaskInterface.register("int8_kv_reference", sdpa_mask)

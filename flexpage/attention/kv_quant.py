@@ -54,10 +54,19 @@ def dequantize(x: Tensor, scale: Tensor) -> Tensor:
 
 def scale_queries(q: Tensor, key_scale: Tensor) -> Tensor:
     """``q [T, H, D]`` times the key scale of each query head's KV head (``key_scale [H_kv, D]``),
-    in ``q``'s dtype: the query that, against int8 keys, gives the scores of the real keys."""
+    rounded to an int8 grid per row (``code * max|row| / 127``), in ``q``'s dtype: the query
+    that, against int8 keys, gives the scores of the real keys.
+
+    Why the grid: on CPUs with AVX512-VNNI the attention kernel multiplies the row's int8 codes
+    with the keys' in integer dot products (``int8_kv.h``), as llama.cpp's quantised caches do,
+    four times the products per instruction of float32. Rounding here, for every kernel, keeps
+    the result the same on every CPU (up to float32 summation order). The rounding adds an
+    error like the keys' own (half a step of the row's largest element)."""
     heads, kv_heads = q.shape[-2], key_scale.shape[0]
     compute = torch.promote_types(q.dtype, torch.float32)
-    return (q.to(compute) * key_scale.repeat_interleave(heads // kv_heads, 0)).to(q.dtype)
+    scaled = q.to(compute) * key_scale.repeat_interleave(heads // kv_heads, 0)
+    step = (scaled.abs().amax(-1, keepdim=True) / QMAX).clamp_min(torch.finfo(compute).tiny)
+    return ((scaled / step).round() * step).to(q.dtype)
 
 
 def scale_output(out: Tensor, value_scale: Tensor) -> Tensor:

@@ -67,6 +67,30 @@ AVX2_FP32_CALL = """\
 {%- endif %}
 """
 AVX2_FP32_HELPERS = "{% raw %}" + Path(__file__).with_name("avx2_fp32.h").read_text() + "{% endraw %}\n"
+# Micro-gemms over 8-bit keys and values (the int8 KV cache) compiled for AVX-512 call int8_kv.h's
+# helpers there (a query or probability row in float32 or bf16); AVX2 code keeps Inductor's int8 path.
+INT8_KV_CALL = """\
+{%- if input2_dtype == torch.int8 and input_dtype in (torch.float, torch.bfloat16) and compute_t == "float" and block_n == 16 %}
+    if ({{ "K % 4 == 0 && " if trans_b else "" }}K <= flexpage_int8_kv::MAX_K) {  // flexpage: 8-bit K/V
+        flexpage_int8_kv::{{ "qk" if trans_b else "pv" }}<BLOCK_M, accum>(
+            A, B, C, {{ "N" if tail_n else "BLOCK_N" }}, K, lda, ldb, ldc);
+        return;
+    }
+{%- endif %}
+"""
+# ... and their entries (the row loop's start) compute a whole row block (a decode token's packed
+# query heads) with int8_kv.h's ``rows``: the query's codes or the probabilities widened once per
+# call, each value row read once, rather than once per 16 columns.
+INT8_KV_ROWS_CALL = """\
+{%- if input2_dtype == torch.int8 and input_dtype in (torch.float, torch.bfloat16) and compute_t == "float" and block_n == 16 %}
+    if (M == {{block_m}} && flexpage_int8_kv::rows<{{block_m}}, {{ "true" if trans_b else "false" }}, accum>(
+            A, B, C, N, K, lda, ldb, ldc)) {  // flexpage: 8-bit K/V
+        return;
+    }
+{%- endif %}
+"""
+INT8_KV_SOURCE = Path(__file__).with_name("int8_kv.h").read_text()
+INT8_KV_HELPERS = "{% raw %}" + INT8_KV_SOURCE + "{% endraw %}\n"
 
 # The micro-gemm's entry computes a block of fewer rows than its row block (a query block's last
 # rows) with a kernel instantiated for exactly that many rows: 15 instantiations per kernel kind,
@@ -386,7 +410,7 @@ LEAN_EDITS = (
 """,
      """        auto i_kv = is_broadcast_bs_kv ? i/bs_shards : i;
         auto j_kv = is_broadcast_head_kv ? j/gqa_shards : j;
-        if ((is_reduced_type || sizeof(kv_t) == 1) && !need_pack && cur_qSplitSize <= 16) {  // flexpage: this block's V and the next block's K and V on their way
+        if (is_reduced_type && sizeof(kv_t) != 1 && !need_pack && cur_qSplitSize <= 16) {  // flexpage: this block's V and the next block's K and V on their way
           const int64_t row_bytes = headSize * static_cast<int64_t>(sizeof(kv_t));
           auto prefetch_rows = [row_bytes](const kv_t* rows, int64_t count, int64_t stride) {
             for (int64_t r = 0; r < count; ++r) {

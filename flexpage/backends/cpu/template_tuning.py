@@ -84,6 +84,9 @@ from flexpage.backends.cpu.template_edits import (
     DOT_BF16_ROWS_CALL,
     DOT_BF16_SOURCE,
     ENTRY_ROW_LOOP,
+    INT8_KV_CALL,
+    INT8_KV_HELPERS,
+    INT8_KV_ROWS_CALL,
     KERNEL_BODY_START,
     KV8_EDITS,
     KV_TYPE_EDIT,
@@ -102,7 +105,7 @@ DETERMINISTIC_OPTION = "FLEXPAGE_DETERMINISTIC_CPU_TEMPLATE"
 #: kernel option: bf16 micro-gemms on AVX512-BF16 dot products (see :func:`dot_bf16_option`);
 #: only with :data:`TUNED_OPTION`, never deterministic
 DOT_BF16_OPTION = "FLEXPAGE_AVX512_BF16_DOT"
-TUNING_VERSION = 33  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
+TUNING_VERSION = 36  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
 # 6: no K/V packing buffers unless packing; 7: only the visited key blocks are packed;
 # 12: float32 prefill micro-gemms block up to 16 rows (8-11: experiments);
 # 13: AVX2 kernels never pack and keep stock micro-gemms; 14-15: deterministic kernels;
@@ -113,7 +116,7 @@ TUNING_VERSION = 33  # 2: float32 kernels stay stock; 5: lean per-key-block work
 # 23: a tail of rows computed in power-of-two row blocks; 24: items handed to threads one at a time;
 # 25-26: bf16 prefill micro-gemms in whole 16-row blocks (dot_bf16.h rows_of_16), AVX512-BF16 probabilities, row max
 # 27-32: a bf16/fp16 visit of few query rows (decode) prefetches its block's values and the next block (27-30: experiments)
-# 33: 8-bit keys and values
+# 33: 8-bit keys and values; 34: their AVX-512 micro-gemms (int8_kv.h)
 _MAX_BLOCK_M = 16  # float32 prefill: 8 rows 10-15% slower, 32 no faster
 _MIN_FP32_BLOCKED_ROWS = 16  # decode blocks (1-8 packed query heads) keep one-row blocking in float32
 
@@ -245,6 +248,9 @@ def apply() -> bool:
             kernel_text = DOT_BF16_HELPERS + kernel_text.replace(KERNEL_BODY_START, KERNEL_BODY_START + call)
             rows_call = _known_head_dim_test(DOT_BF16_ROWS_CALL, head_dim, 32)
             entry = entry.replace(ENTRY_ROW_LOOP, ENTRY_ROW_LOOP + rows_call)
+        if kv_dtype == torch.int8 and _compiles_avx512():
+            kernel_text = INT8_KV_HELPERS + kernel_text.replace(KERNEL_BODY_START, KERNEL_BODY_START + INT8_KV_CALL)
+            entry = entry.replace(ENTRY_ROW_LOOP, ENTRY_ROW_LOOP + INT8_KV_ROWS_CALL)
         if not (_compiles_avx512() or self.flexpage_deterministic):
             call = _known_head_dim_test(AVX2_FP32_CALL, head_dim, 8)
             kernel_text = AVX2_FP32_HELPERS + kernel_text.replace(KERNEL_BODY_START, KERNEL_BODY_START + call)
