@@ -1,52 +1,33 @@
-// flexpage: the tuned CPU FlexAttention template's micro-gemms over 8-bit keys and values (the
-// int8 KV cache), in AVX-512 code (see flexpage/backends/cpu/template_edits.py, INT8_KV_CALL).
+// flexpage: the tuned CPU FlexAttention template's products over 8-bit keys and values (the int8
+// KV cache), in AVX-512 code (see flexpage/backends/cpu/template_edits.py, INT8_KV_ROWS_CALL).
 //
-// Inductor's micro-gemm reads an int8 B by widening each 16 elements to float32; for q @ k^T (a
-// transposed B) it then transposes every 16 x 16 float tile and broadcasts each query element
-// from a scalar: a bf16 SmolLM2 decode call over int8 keys ran no faster than over bf16 keys,
-// at half the bytes (compute-bound at ~7 GB/s of KV where bf16 streams ~15 GB/s). Here:
-// * q @ k^T loads 16 keys' rows of 64 channels as 16 vectors, transposes them as 32-bit words
-//   (four channels each: one transpose per 64 channels, not per 16) and widens one channel of all
-//   16 keys with two shifts and a convert; the queries are widened to float32 once per call;
-// * P @ V widens each value row's 16 columns with one sign-extending load and a convert.
-// Products and sums are float32, in another order than the stock micro-gemm's.
+// Inductor's micro-gemm reads an int8 B by widening each 16 elements to float32, per 16-column
+// tile; for q @ k^T (a transposed B) it then transposes every 16 x 16 float tile and broadcasts
+// each query element from a scalar. A bf16 SmolLM2 decode call (8 rows of 8k tokens) over int8
+// keys ran no faster than over bf16 keys at half the bytes (2.5 ms, compute-bound). Here a
+// decode token's whole row block (its packed query heads) is computed in one call:
+// * q @ k^T on VNNI integer dot products (four int8 products a lane per instruction): the
+//   query's int8 codes are found once per call; 16 keys' rows of 64 channels are loaded as 16
+//   vectors and transposed as 32-bit words (four channels each), which is the operand layout of
+//   vpdpbusd. CPUs without AVX512-VNNI keep Inductor's product.
+// * P @ V reads each value row's 64 columns once, widened to float32 for the multiply-adds.
+// The same call took 1.5x less time than over bf16 keys (Xeon with AMX, bench: docs/kv-cache-dtype.md).
 #ifndef FLEXPAGE_INT8_KV
 #define FLEXPAGE_INT8_KV
 #include <immintrin.h>
 #include <cstdint>
 #include <algorithm>
 #include <type_traits>
+#ifndef FLEXPAGE_AVX512_TILES  // standalone (a test's driver); the kernel text puts avx512_tiles.h first
+#include "avx512_tiles.h"
+#endif
 
 namespace flexpage_int8_kv {
+using flexpage_avx512_tiles::transpose16;
 #define FLEXPAGE_INT8_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 
 //: the longest row of A (head dimension for q @ k^T, key block for P @ V) the helpers take
 constexpr int64_t MAX_K = 512;
-
-// in place: r[j] lane i <- r[i] lane j, a 16 x 16 transpose of 32-bit words
-FLEXPAGE_INT8_TARGET static inline void transpose16(__m512i* r) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-  }
-}
 
 // independent accumulators per row, so that a few rows keep both FMA units busy; summed at the end
 template <int64_t BLOCK_M>
@@ -73,64 +54,6 @@ FLEXPAGE_INT8_TARGET static inline void widen_rows(const A_t* A, int64_t lda, in
   }
 }
 
-template <int64_t S, int64_t BLOCK_M, bool accum>
-FLEXPAGE_INT8_TARGET static inline void start_rows(__m512 (&acc)[S][BLOCK_M], const float* C, int64_t ldc,
-                                                   __mmask16 cols) {
-  for (int64_t s = 0; s < S; ++s) {
-    for (int64_t m = 0; m < BLOCK_M; ++m) {
-      acc[s][m] = (accum && s == 0) ? _mm512_maskz_loadu_ps(cols, C + m * ldc) : _mm512_setzero_ps();
-    }
-  }
-}
-
-template <int64_t S, int64_t BLOCK_M>
-FLEXPAGE_INT8_TARGET static inline void store_rows(const __m512 (&acc)[S][BLOCK_M], float* C, int64_t ldc,
-                                                   __mmask16 cols) {
-  for (int64_t m = 0; m < BLOCK_M; ++m) {
-    __m512 sum = acc[0][m];
-    for (int64_t s = 1; s < S; ++s) {
-      sum = _mm512_add_ps(sum, acc[s][m]);
-    }
-    _mm512_mask_storeu_ps(C + m * ldc, cols, sum);
-  }
-}
-
-// C[m, 0:N] (+)= sum_k A[m, k] * B[n, k] for BLOCK_M rows, N <= 16 keys, K % 4 == 0, K <= MAX_K,
-// in float32 multiply-adds
-template <int64_t BLOCK_M, bool accum, typename A_t>
-FLEXPAGE_INT8_TARGET void qk_float(const A_t* A, const int8_t* B, float* C, int64_t N, int64_t K, int64_t lda,
-                                   int64_t ldb, int64_t ldc) {
-  constexpr int64_t S = chains<BLOCK_M>();
-  const __mmask16 cols = N >= 16 ? __mmask16(0xffff) : __mmask16((1u << N) - 1);
-  alignas(64) float a[BLOCK_M * MAX_K];
-  widen_rows<BLOCK_M>(A, lda, K, a);
-  __m512 acc[S][BLOCK_M];
-  start_rows<S, BLOCK_M, accum>(acc, C, ldc, cols);
-  for (int64_t n = 16; n < 32; ++n) {  // the next 16 keys on their way (a decode call streams the pool once)
-    for (int64_t k = 0; k < K; k += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(B + n * ldb + k), _MM_HINT_T0);
-    }
-  }
-  for (int64_t k = 0; k < K; k += 64) {
-    const __mmask64 part = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
-    __m512i rows[16];
-    for (int64_t n = 0; n < 16; ++n) {
-      rows[n] = n < N ? _mm512_maskz_loadu_epi8(part, B + n * ldb + k) : _mm512_setzero_si512();
-    }
-    transpose16(rows);  // rows[w] lane n: channels k + 4w .. k + 4w + 3 of key n
-    const int64_t words = std::min<int64_t>(16, (K - k) / 4);
-    for (int64_t w = 0; w < words; ++w) {
-      for (int j = 0; j < 4; ++j) {  // channel k + 4w + j of the 16 keys: its byte, sign-extended
-        const __m512 b = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(rows[w], 24 - 8 * j), 24));
-        for (int64_t m = 0; m < BLOCK_M; ++m) {
-          acc[j % S][m] = _mm512_fmadd_ps(_mm512_set1_ps(a[m * MAX_K + k + 4 * w + j]), b, acc[j % S][m]);
-        }
-      }
-    }
-  }
-  store_rows<S, BLOCK_M>(acc, C, ldc, cols);
-}
-
 #define FLEXPAGE_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
 static inline bool has_vnni() {
@@ -138,8 +61,7 @@ static inline bool has_vnni() {
   return yes;
 }
 
-// The same product on VNNI integer dot products (four int8 products a lane per instruction).
-// The engine hands this kernel queries already on an int8 grid (flexpage.attention.kv_quant.
+// The engine hands the kernel queries already on an int8 grid (flexpage.attention.kv_quant.
 // scale_queries: a query head's row is code * (max |row| / 127)), so the codes recovered here
 // (round(a / (max |a| / 127))) are the graph's own and the integer sums are exact: the result is
 // the float path's up to float32 rounding. Keys go in as unsigned bytes (k + 128), so each sum
@@ -222,14 +144,6 @@ FLEXPAGE_VNNI_TARGET static inline void qk_vnni_tile(const QueryCodes<BLOCK_M>& 
   }
 }
 
-template <int64_t BLOCK_M, bool accum, typename A_t>
-FLEXPAGE_VNNI_TARGET void qk_vnni(const A_t* A, const int8_t* B, float* C, int64_t N, int64_t K, int64_t lda,
-                                  int64_t ldb, int64_t ldc) {
-  QueryCodes<BLOCK_M> q;
-  query_codes<BLOCK_M>(A, lda, K, q);
-  qk_vnni_tile<BLOCK_M, accum>(q, B, C, N, K, ldb, ldc);
-}
-
 // A whole q @ k^T of BLOCK_M rows against N keys (any N): the query codes computed once
 template <int64_t BLOCK_M, bool accum, typename A_t>
 FLEXPAGE_VNNI_TARGET void qk_vnni_rows(const A_t* A, const int8_t* B, float* C, int64_t N, int64_t K, int64_t lda,
@@ -241,35 +155,6 @@ FLEXPAGE_VNNI_TARGET void qk_vnni_rows(const A_t* A, const int8_t* B, float* C, 
   }
 }
 
-// q @ k^T: on VNNI where the CPU has it and the head dimension is a multiple of 16, else in float32
-template <int64_t BLOCK_M, bool accum, typename A_t>
-FLEXPAGE_INT8_TARGET void qk(const A_t* A, const int8_t* B, float* C, int64_t N, int64_t K, int64_t lda,
-                             int64_t ldb, int64_t ldc) {
-  if (K % 16 == 0 && has_vnni()) {
-    qk_vnni<BLOCK_M, accum>(A, B, C, N, K, lda, ldb, ldc);
-  } else {
-    qk_float<BLOCK_M, accum>(A, B, C, N, K, lda, ldb, ldc);
-  }
-}
-
-// C[m, 0:N] (+)= sum_k A[m, k] * B[k, n] for BLOCK_M rows, N <= 16 columns, K <= MAX_K
-template <int64_t BLOCK_M, bool accum, typename A_t>
-FLEXPAGE_INT8_TARGET void pv(const A_t* A, const int8_t* B, float* C, int64_t N, int64_t K, int64_t lda,
-                             int64_t ldb, int64_t ldc) {
-  constexpr int64_t S = chains<BLOCK_M>();
-  const __mmask16 cols = N >= 16 ? __mmask16(0xffff) : __mmask16((1u << N) - 1);
-  alignas(64) float a[BLOCK_M * MAX_K];
-  widen_rows<BLOCK_M>(A, lda, K, a);
-  __m512 acc[S][BLOCK_M];
-  start_rows<S, BLOCK_M, accum>(acc, C, ldc, cols);
-  for (int64_t k = 0; k < K; ++k) {
-    const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(cols, B + k * ldb)));
-    for (int64_t m = 0; m < BLOCK_M; ++m) {
-      acc[k % S][m] = _mm512_fmadd_ps(_mm512_set1_ps(a[m * MAX_K + k]), b, acc[k % S][m]);
-    }
-  }
-  store_rows<S, BLOCK_M>(acc, C, ldc, cols);
-}
 
 // P @ V of BLOCK_M rows over all N columns (any N): each value row's 64 columns loaded once, A
 // widened once

@@ -54,7 +54,9 @@ DOT_BF16_ROWS_CALL = """\
     }
 {%- endif %}
 """
-DOT_BF16_SOURCE = Path(__file__).with_name("dot_bf16.h").read_text()
+# the helpers' shared tile code (transposes), put before each of them
+AVX512_TILES_SOURCE = Path(__file__).with_name("avx512_tiles.h").read_text()
+DOT_BF16_SOURCE = AVX512_TILES_SOURCE + Path(__file__).with_name("dot_bf16.h").read_text()
 DOT_BF16_HELPERS = "{% raw %}" + DOT_BF16_SOURCE + "{% endraw %}\n"
 # Row-blocked float32 kernels compiled for AVX2 compute q @ k^T with avx2_fp32.h there
 # (bump TUNING_VERSION when the header changes: nothing else puts it in the cache key).
@@ -67,20 +69,11 @@ AVX2_FP32_CALL = """\
 {%- endif %}
 """
 AVX2_FP32_HELPERS = "{% raw %}" + Path(__file__).with_name("avx2_fp32.h").read_text() + "{% endraw %}\n"
-# Micro-gemms over 8-bit keys and values (the int8 KV cache) compiled for AVX-512 call int8_kv.h's
-# helpers there (a query or probability row in float32 or bf16); AVX2 code keeps Inductor's int8 path.
-INT8_KV_CALL = """\
-{%- if input2_dtype == torch.int8 and input_dtype in (torch.float, torch.bfloat16) and compute_t == "float" and block_n == 16 %}
-    if ({{ "K % 4 == 0 && " if trans_b else "" }}K <= flexpage_int8_kv::MAX_K) {  // flexpage: 8-bit K/V
-        flexpage_int8_kv::{{ "qk" if trans_b else "pv" }}<BLOCK_M, accum>(
-            A, B, C, {{ "N" if tail_n else "BLOCK_N" }}, K, lda, ldb, ldc);
-        return;
-    }
-{%- endif %}
-"""
-# ... and their entries (the row loop's start) compute a whole row block (a decode token's packed
-# query heads) with int8_kv.h's ``rows``: the query's codes or the probabilities widened once per
-# call, each value row read once, rather than once per 16 columns.
+# Micro-gemms over 8-bit keys and values (the int8 KV cache) compiled for AVX-512: their entries
+# (the row loop's start) compute a whole row block (a decode token's packed query heads, a float32
+# or bf16 row) with int8_kv.h's ``rows``: the query's int8 codes or the probabilities widened once
+# per call, each value row read once. Other row blocks (tails), and q @ k^T without AVX512-VNNI,
+# keep Inductor's int8 micro-gemm.
 INT8_KV_ROWS_CALL = """\
 {%- if input2_dtype == torch.int8 and input_dtype in (torch.float, torch.bfloat16) and compute_t == "float" and block_n == 16 %}
     if (M == {{block_m}} && flexpage_int8_kv::rows<{{block_m}}, {{ "true" if trans_b else "false" }}, accum>(
@@ -89,7 +82,7 @@ INT8_KV_ROWS_CALL = """\
     }
 {%- endif %}
 """
-INT8_KV_SOURCE = Path(__file__).with_name("int8_kv.h").read_text()
+INT8_KV_SOURCE = AVX512_TILES_SOURCE + Path(__file__).with_name("int8_kv.h").read_text()
 INT8_KV_HELPERS = "{% raw %}" + INT8_KV_SOURCE + "{% endraw %}\n"
 
 # The micro-gemm's entry computes a block of fewer rows than its row block (a query block's last

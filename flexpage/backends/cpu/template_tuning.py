@@ -84,7 +84,6 @@ from flexpage.backends.cpu.template_edits import (
     DOT_BF16_ROWS_CALL,
     DOT_BF16_SOURCE,
     ENTRY_ROW_LOOP,
-    INT8_KV_CALL,
     INT8_KV_HELPERS,
     INT8_KV_ROWS_CALL,
     KERNEL_BODY_START,
@@ -105,7 +104,7 @@ DETERMINISTIC_OPTION = "FLEXPAGE_DETERMINISTIC_CPU_TEMPLATE"
 #: kernel option: bf16 micro-gemms on AVX512-BF16 dot products (see :func:`dot_bf16_option`);
 #: only with :data:`TUNED_OPTION`, never deterministic
 DOT_BF16_OPTION = "FLEXPAGE_AVX512_BF16_DOT"
-TUNING_VERSION = 36  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
+TUNING_VERSION = 37  # 2: float32 kernels stay stock; 5: lean per-key-block work and tail trimming, every dtype;
 # 6: no K/V packing buffers unless packing; 7: only the visited key blocks are packed;
 # 12: float32 prefill micro-gemms block up to 16 rows (8-11: experiments);
 # 13: AVX2 kernels never pack and keep stock micro-gemms; 14-15: deterministic kernels;
@@ -249,7 +248,7 @@ def apply() -> bool:
             rows_call = _known_head_dim_test(DOT_BF16_ROWS_CALL, head_dim, 32)
             entry = entry.replace(ENTRY_ROW_LOOP, ENTRY_ROW_LOOP + rows_call)
         if kv_dtype == torch.int8 and _compiles_avx512():
-            kernel_text = INT8_KV_HELPERS + kernel_text.replace(KERNEL_BODY_START, KERNEL_BODY_START + INT8_KV_CALL)
+            kernel_text = INT8_KV_HELPERS + kernel_text
             entry = entry.replace(ENTRY_ROW_LOOP, ENTRY_ROW_LOOP + INT8_KV_ROWS_CALL)
         if not (_compiles_avx512() or self.flexpage_deterministic):
             call = _known_head_dim_test(AVX2_FP32_CALL, head_dim, 8)
