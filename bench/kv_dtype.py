@@ -19,6 +19,10 @@ with the same ``kv_cache_memory``:
   greedy tokens each; tok/s from the step after the last first token to the end. The prompts are
   prefilled in a first round and cached; every timed round reuses them (prefix caching), so it
   times decode only, each sequence reading its own KV. Rounds alternate the two engines; medians.
+  With ``--openvino-python``, OpenVINO GenAI's ``ContinuousBatchingPipeline`` (its u8 KV cache,
+  the x86 default, asked for by name; prefix caching on) decodes the same prompts in that
+  interpreter: per round the time of 65 new tokens less the time of 1 (both after a first run
+  cached the prompts), 64 x batch tokens over the difference.
 
 Writes bench/results/kv_dtype.json.
 """
@@ -27,13 +31,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 
 from bench.longcontext import first_number, passkey_cases
+
+
+def in_subprocess(python: str, *argv: str) -> dict:
+    """``python -m bench.kv_dtype *argv`` in another interpreter; its last line of output, as JSON."""
+    root = Path(__file__).parent.parent
+    done = subprocess.run([python, "-m", "bench.kv_dtype", *argv], capture_output=True, text=True, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    if done.returncode:
+        raise RuntimeError(f"the OpenVINO worker failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 RESULTS = Path(__file__).parent / "results" / "kv_dtype.json"
 DTYPES = ("auto", "int8")
@@ -83,6 +99,34 @@ def decode_speed(llm, prompts: list[list[int]]) -> float:  # noqa: ANN001
     return (len(prompts) * 64 - decoded) / (time.perf_counter() - start)
 
 
+def openvino_decode(model: str, contexts: list[int], batch: int, rounds: int) -> dict:
+    """OpenVINO GenAI's decode tok/s with its u8 KV cache (see the module docstring)."""
+    import openvino as ov
+    import openvino_genai as genai
+
+    scheduler = genai.SchedulerConfig()
+    scheduler.cache_size = 2  # GB
+    scheduler.max_num_batched_tokens = 2048
+    scheduler.enable_prefix_caching = True
+    pipe = genai.ContinuousBatchingPipeline(model, scheduler, "CPU", {"KV_CACHE_PRECISION": "u8"})
+
+    def run(prompts: list[list[int]], new_tokens: int) -> float:
+        config = genai.GenerationConfig()
+        config.max_new_tokens, config.ignore_eos, config.do_sample = new_tokens, True, False
+        start = time.perf_counter()
+        pipe.generate([ov.Tensor(np.array([p], dtype=np.int64)) for p in prompts], [config] * len(prompts))
+        return time.perf_counter() - start
+
+    rng = np.random.default_rng(0)
+    out = {}
+    for context in contexts:
+        prompts = [rng.integers(100, 40000, size=context).tolist() for _ in range(batch)]
+        run(prompts, 1)  # into its prefix cache
+        rates = [batch * 64 / (run(prompts, 65) - run(prompts, 1)) for _ in range(rounds)]
+        out[str(context)] = {"rounds": rates, "median": statistics.median(rates)}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -94,8 +138,14 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--kv-cache-memory", default="2GiB")
     parser.add_argument("--quick", action="store_true", help="small sizes, to check the script runs")
+    parser.add_argument("--openvino-python", help="an interpreter with openvino_genai: its u8 cache decodes too")
+    parser.add_argument("--openvino-model", help="the default model as OpenVINO IR (bench.anchors exports one)")
+    parser.add_argument("--openvino-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    if args.openvino_worker:
+        print(json.dumps(openvino_decode(args.openvino_model, args.contexts, args.batch, args.rounds)))
+        return
     if args.quick:
         args.rounds, args.contexts, args.batch, args.nll_tokens = 1, [256], 2, 256
         args.chat_prompts, args.passkey_lengths, args.samples = 4, [512], 1
@@ -147,6 +197,16 @@ def main() -> None:
                                                 "int8_over_auto": medians["int8"] / medians["auto"]}
         print(f"context {context} x {args.batch}: {medians} -> int8 {medians['int8'] / medians['auto']:.2f}x", flush=True)
 
+    if args.openvino_python:
+        llms.clear()  # the pools' memory back before OpenVINO's cache
+        llm = None
+        ov = in_subprocess(args.openvino_python, "--openvino-worker", "--openvino-model", args.openvino_model,
+                           "--batch", str(args.batch), "--rounds", str(args.rounds),
+                           "--contexts", *map(str, args.contexts))
+        result["openvino_u8_decode_tok_s"] = ov
+        for context, cell in ov.items():
+            result["decode_tok_s"][context]["int8_over_openvino_u8"] = (
+                result["decode_tok_s"][context]["median"]["int8"] / cell["median"])
     print(json.dumps({k: v for k, v in result.items() if k != "args"}, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
