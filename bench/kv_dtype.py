@@ -12,7 +12,11 @@ with the same ``kv_cache_memory``:
   (Python's topic documentation from its middle; the int8 scales are calibrated on its start)
   through ``SamplingParams(prompt_logprobs=0)``;
 * **greedy agreement**: the first 64 greedy tokens of ``--chat-prompts`` chat prompts (one user
-  turn each, built from fixed tasks and subjects), identical or not;
+  turn each, built from fixed tasks and subjects), identical or not; beside it two floors: the
+  model-dtype engine against itself with each of the first 20 prompts run alone (in bf16 a
+  batch's composition alone changes continuations at near-ties), and the same comparison of
+  the caches on float32 engines (``--float32-agreement``: where batching changes nothing, only
+  the cache's rounding differs);
 * **passkey**: ``bench.longcontext``'s passkey retrieval at 2k and 4k tokens (5 depths x
   ``--samples``), exact match;
 * **decode speed**: ``--batch`` sequences of each ``--contexts`` length of random tokens, 64
@@ -84,6 +88,11 @@ def nll(llm, ids: list[int]) -> float:  # noqa: ANN001
     return -float(np.mean(logprobs))
 
 
+def identical(a: list[list[int]], b: list[list[int]]) -> dict:
+    same = [x == y for x, y in zip(a, b)]
+    return {"count": sum(same), "of": len(same), "fraction": sum(same) / len(same)}
+
+
 def decode_speed(llm, prompts: list[list[int]]) -> float:  # noqa: ANN001
     """Decode tok/s of ``prompts`` run together, 64 greedy tokens each (see the module docstring)."""
     from flexpage import SamplingParams
@@ -138,6 +147,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--kv-cache-memory", default="2GiB")
     parser.add_argument("--quick", action="store_true", help="small sizes, to check the script runs")
+    parser.add_argument("--float32-agreement", action="store_true",
+                        help="also compare the caches' greedy tokens on float32 engines")
     parser.add_argument("--openvino-python", help="an interpreter with openvino_genai: its u8 cache decodes too")
     parser.add_argument("--openvino-model", help="the default model as OpenVINO IR (bench.anchors exports one)")
     parser.add_argument("--openvino-worker", action="store_true", help=argparse.SUPPRESS)
@@ -170,8 +181,17 @@ def main() -> None:
     greedy = SamplingParams(temperature=0, max_tokens=64)
     tokens = {d: [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
               for d, llm in llms.items()}
-    same = [a == b for a, b in zip(tokens["auto"], tokens["int8"])]
-    result["greedy_identical"] = {"count": sum(same), "of": len(same), "fraction": sum(same) / len(same)}
+    result["greedy_identical"] = identical(tokens["auto"], tokens["int8"])
+    alone = [llms["auto"].generate([{"prompt_token_ids": p}], greedy)[0].outputs[0].token_ids for p in prompts[:20]]
+    result["greedy_identical_auto_alone_vs_batched"] = identical(tokens["auto"][:20], alone)
+    if args.float32_agreement:
+        fp32 = {}
+        for dtype in DTYPES:
+            llm = LLM(kv_cache_dtype=dtype, dtype="float32", kv_cache_memory="512MiB", max_model_len=1024)
+            fp32[dtype] = [o.outputs[0].token_ids
+                           for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
+            llm.engine.close()
+        result["greedy_identical_float32"] = identical(fp32["auto"], fp32["int8"])
 
     result["passkey"] = {}
     for length in args.passkey_lengths:
