@@ -15,7 +15,9 @@ is the 8-bit cache's rounding. Layouts:
   layout that folds the key scale into the query and the value scale into the output;
 * ``per_channel_oracle``: the same, calibrated on the scored text itself (what static
   calibration could reach at best);
-* ``kivi``: keys per channel (static, as above), values per token (KIVI, Liu et al. 2024).
+* ``kivi``: keys per channel (static, as above), values per token (KIVI, Liu et al. 2024);
+* ``keys_per_token``: keys per token, values per channel (static): the layout whose key scale a
+  ``score_mod`` can apply (score x the key's scale) and whose value scale folds into the output.
 
 Texts: Python's own documentation strings (``pydoc_data.topics``, fixed for a Python
 version): the scored text from the middle, the calibration text from the start. Writes
@@ -95,7 +97,13 @@ def layouts(calibration: Recorder, scored: Recorder) -> dict[str, Quantise]:
         "per_channel_static": static(calibration, False),
         "per_channel_oracle": static(scored, False),
         "kivi": static(calibration, True),
+        "keys_per_token": keys_per_token(calibration),
     }
+
+
+def keys_per_token(recorder: Recorder) -> Quantise:
+    v_scales = {i: channel_scales(v, False) for i, v in recorder.values.items()}
+    return lambda layer, k, v: (per_token(k), round_int8(v, v_scales[layer]))
 
 
 def nll(model, ids: list[int], quantise: Quantise) -> float:
