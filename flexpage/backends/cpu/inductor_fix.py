@@ -71,16 +71,18 @@ def apply() -> None:
 
 def _realise_captured_buffers_first() -> None:
     from torch._inductor.kernel.flex import flex_attention as lowering
+    from torch._inductor.kernel.flex import flex_cpu
     from torch._inductor.kernel.flex.common import maybe_realize
 
-    original = lowering.lower_cpu
-    if getattr(original, "_flexpage_fixed", False):
+    if getattr(lowering.lower_cpu, "_flexpage_fixed", False):
         return
 
     def lower_cpu(query, key, value, subgraph, block_mask, scale, kernel_options,  # type: ignore[no-untyped-def]
                   score_mod_other_buffers, mask_mod_other_buffers):
-        return original(query, key, value, subgraph, block_mask, scale, kernel_options,
-                        maybe_realize(list(score_mod_other_buffers)), maybe_realize(list(mask_mod_other_buffers)))
+        # flex_cpu's own at call time: template_tuning replaces it (8-bit K/V)
+        return flex_cpu.lower_cpu(query, key, value, subgraph, block_mask, scale, kernel_options,
+                                  maybe_realize(list(score_mod_other_buffers)),
+                                  maybe_realize(list(mask_mod_other_buffers)))
 
     lower_cpu._flexpage_fixed = True  # type: ignore[attr-defined]
     lowering.lower_cpu = lower_cpu

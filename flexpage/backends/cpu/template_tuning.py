@@ -280,7 +280,11 @@ def apply() -> bool:
 
     lowering.lowerings[hop] = flex_attention_lowering
     template_module.INIT_PARAMS = template_module.INIT_PARAMS.replace(*KV_TYPE_EDIT)
-    flex_attention_module.lower_cpu = kv8_lowering
+    from torch._inductor.kernel.flex import flex_cpu
+
+    if flex_attention_module.lower_cpu is flex_cpu.lower_cpu:  # not wrapped (inductor_fix calls flex_cpu's)
+        flex_attention_module.lower_cpu = kv8_lowering
+    flex_cpu.lower_cpu = kv8_lowering
     template_cls.__init__ = __init__
     template_cls.choose_flex_template = choose_flex_template
     template_cls.micro_gemm_define = micro_gemm_define
