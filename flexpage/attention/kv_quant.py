@@ -3,12 +3,13 @@
 Keys and values are stored as int8 with one float32 scale per layer, KV head and channel
 (``x ~= scale * int8``). A per-channel key scale folds into the query,
 ``q . (s * k) = (q * s) . k``, and a per-channel value scale multiplies the output,
-``sum_t p_t (s * v_t) = s * sum_t p_t v_t``; so the paged kernels read 8-bit blocks and widen
-them as they load, with no scale inside the score or the sum, and every recipe's
-``score_mod``/``mask_mod`` runs unchanged. Per-token or per-block scales would need the scale
-inside the kernel's inner loops. A fake-quantisation study on the default model
-(``bench/kv_quant_accuracy.py``) measured this layout at +0.17% negative log-likelihood over
-the bf16 cache (per-token scales +0.005%, KIVI's per-channel keys with per-token values +0.08%).
+``sum_t p_t (s * v_t) = s * sum_t p_t v_t``; so the paged kernels read 8-bit blocks as they
+are, with no scale inside the score or the sum, and every recipe's ``score_mod``/``mask_mod``
+runs unchanged. Per-token or per-block scales would need the scale inside the score and the
+sum. A fake-quantisation study on the default model (``bench/kv_quant_accuracy.py``) measured
+this layout at +0.17% negative log-likelihood over the bf16 cache (per-token scales +0.005%,
+keys per token with values per channel +0.072%, KIVI's per-channel keys with per-token values
++0.083%); through the engine, query grid included, it is +0.11% (docs/kv-cache-dtype.md).
 
 The scales are static: :func:`calibration_scales` derives them from the absolute maxima of
 each channel's keys and values over a calibration text the model itself encodes at start-up
