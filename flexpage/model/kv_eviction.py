@@ -13,6 +13,7 @@ import torch
 
 from flexpage.attention.eviction import EvictionPolicy
 from flexpage.attention.kv_pool import KVPool
+from flexpage.attention.kv_quant import dequantize
 from flexpage.core.scheduler_output import ScoreRequest
 from flexpage.model.layer_recipes import load_object
 from flexpage.model.tensor_parallel import TensorParallel
@@ -82,7 +83,7 @@ def block_scores(pool: KVPool, policy: EvictionPolicy, pages: Sequence[Sequence[
     # [layers*2*heads, blocks*bs, dim] per group -> [layers, 2, heads, tokens, dim], groups' layers stacked
     kv = torch.cat([pool.read_blocks(list(group_pages)).view(-1, 2, heads, count * bs, dim) for group_pages in pages])
     if pool.quantized:  # int8 steps (one layer group: the pool's layers are the model's) -> real K/V
-        kv = kv.float() * pool.scales[:, :, :, None]
+        kv = dequantize(kv, pool.scales[:, :, :, None])
     positions = (torch.tensor(first_positions, dtype=torch.int64)[:, None] + torch.arange(bs)).flatten()
     scores = policy.token_scores(kv[:, 0], kv[:, 1], positions)
     if tuple(scores.shape) != (count * bs,):

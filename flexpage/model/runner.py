@@ -279,6 +279,9 @@ class ModelRunner:
         for g, group in enumerate(self.layer_groups):
             for j, layer in enumerate(group.layers):
                 self._layer_group[layer], self._layer_slot[layer] = g, j
+        kv_dtype = storage_dtype(kv_cache_dtype, self.dtype)
+        if kv_dtype == torch.int8:  # refused before the pool is claimed
+            self._check_calibration(kv_calibration_ids)
         self.pool = KVPool(
             num_layers=len(self.layer_groups[0].layers),  # layers per block: one group's
             # whole attention blocks: the blocks past num_blocks are never handed out
@@ -287,11 +290,11 @@ class ModelRunner:
             num_kv_heads=(self.compact.num_kv_heads if parallel is not None  # this rank's
                           else getattr(text_config, "num_key_value_heads", None) or num_heads),
             head_dim=head_dim,
-            dtype=storage_dtype(kv_cache_dtype, self.dtype),
+            dtype=kv_dtype,
             layout=kv_layout,
         )
         if self.pool.quantized:
-            self._calibrate(kv_calibration_ids)
+            self.pool.set_scales(calibrate_kv_scales(self.compact, kv_calibration_ids))
         self.compile = compile
         self.compiled_step = (
             CompiledStep(self.compact, self.layer_recipes[0], self.pool, blocks_per_attention_block,
@@ -306,15 +309,14 @@ class ModelRunner:
         rows = self.pool.storage.shape[0] * 2 * self.pool.num_kv_heads
         self.host = torch.zeros(rows, num_host_blocks * block_size, head_dim, dtype=self.pool.dtype)
 
-    def _calibrate(self, token_ids: Sequence[int] | None) -> None:
-        """Set an int8 pool's scales from one forward over ``token_ids`` (see ``kv_cache_dtype``)."""
+    def _check_calibration(self, token_ids: Sequence[int] | None) -> None:
+        """Raise unless an int8 pool's scales can be calibrated over ``token_ids`` (see ``kv_cache_dtype``)."""
         if self.compact is None or len(self.layer_groups) > 1:
             raise ValueError("kv_cache_dtype: 'int8' needs the compact forward (a Llama-family model, model_impl "
                              "'auto' or 'flexpage') and one kind of attention layer (one layer group)")
         if not token_ids:
             raise ValueError("kv_calibration_ids: an int8 KV cache needs calibration token ids "
                              "(flexpage.model.kv_calibration.calibration_token_ids(tokenizer))")
-        self.pool.set_scales(calibrate_kv_scales(self.compact, token_ids))
 
     def _block_kernel_missing(self, compact: bool, row_tile: int | None,
                               parallel: TensorParallel | None) -> str | None:
