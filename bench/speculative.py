@@ -1,15 +1,15 @@
 """Speculative decoding (prompt lookup) vs none, on text worth copying and on text with nothing to copy.
 
-    python -m bench.speculative [--rounds 3] [--max-tokens 160] [--quick] [--crossover]
-                                [--dtype float32] [--deterministic]
+    python -m bench.speculative [--rounds 3] [--max-tokens 160] [--quick] [--crossover] [--step-costs]
+                                [--k 10] [--ngram 3 5] [--dtype float32] [--deterministic]
                                 [--openvino-python /work/ov-venv/bin/python --openvino-model DIR]
 
 On the default model (SmolLM2-135M-Instruct, bf16 where the CPU has it, or ``--dtype``), one
-process, two engines built alike except for ``speculative_config`` (``ngram``, k = 3, n-grams
-of 2-3 tokens; the engine's other defaults, ``disable_by_batch_size`` included). Why k = 3: a
-verification step runs k + 1 rows, and on AMX CPUs the projections read the GGUF's blocks for
-up to 4 rows (oneDNN's packed bf16, more bytes, beyond): there a 5-row step cost 20.5 ms
-against 14.5 ms for 4 rows and 12.0 ms for a decode step.
+process, two engines built alike except for ``speculative_config`` (``ngram``, ``--k`` 10,
+n-grams of ``--ngram`` 3-5 tokens; the engine's other defaults, ``disable_by_batch_size``
+included). Why k = 10 (HF's prompt-lookup default): when a copy is under way it runs long, and
+on AMX CPUs a verification step of 5-16 rows costs about what 4 rows do (the projections run
+the GGUF blocks on the AMX tiles), 1.4x a decode step.
 
 * ``grounded``: 16 chat requests whose answers copy from the prompt -- repeat a paragraph,
   edit a code snippet and give it back whole, answer with quotes from a given document --
@@ -23,7 +23,8 @@ each engine (median over rounds) and their ratio, the acceptance rate and mean a
 length per verification, and whether every output was token-identical between the engines
 (greedy: it must be). ``--crossover`` adds the grounded workload at batches 1, 2, 4, 8 and 16
 with ``disable_by_batch_size`` lifted (the speculating engine proposes at every batch size),
-which is where the default comes from.
+which is where the default comes from. ``--step-costs`` adds what one sequence's verification
+step of k + 1 rows costs (k = 0: a decode step).
 
 ``--openvino-python`` / ``--openvino-model`` add OpenVINO GenAI's prompt lookup
 (``LLMPipeline(model, "CPU", prompt_lookup=True)``, greedy, the same k and n-gram size) on the
@@ -49,9 +50,7 @@ from bench.anchors import VOCAB_RANGE
 
 DEFAULT_OUT = Path("bench/results/speculative.json")
 DRAFT_OUT = Path("bench/results/speculative_draft.json")
-K, LOOKUP_MIN, LOOKUP_MAX = 3, 2, 3
-SPECULATIVE = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": LOOKUP_MIN,
-               "prompt_lookup_max": LOOKUP_MAX}
+K, LOOKUP_MIN, LOOKUP_MAX = 10, 3, 5
 
 PARAGRAPHS = [
     "The lighthouse on the northern cape was built in 1874 from granite quarried two miles inland. For most of "
@@ -165,16 +164,44 @@ def measure(plain: Any, spec: Any, prompts: list[list[int]], params: Any, batch:
     }
 
 
-def openvino(python: str, model: str, prompts: list[list[int]], lengths: list[int], rounds: int) -> dict:
-    """OpenVINO GenAI's prompt lookup and plain greedy decoding at batch 1, in ``python``:
-    prompt ``i`` generates ``lengths[i]`` tokens (flexpage's output length: OpenVINO ignores EOS)."""
+def step_costs(llm: Any, rounds: int) -> dict[str, float]:
+    """Milliseconds per step of one sequence verifying k proposals that are always accepted (a
+    numbered sentence repeated 12 times, 128 greedy tokens, the prompt cached), for k = 0 (a
+    plain decode step) to 15: the cost of a verification step of k + 1 rows. Median over rounds."""
+    from flexpage import SamplingParams
+
+    speculator = llm.engine.speculator
+    default = speculator.config
+    text = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen. " * 12
+    prompt = llm.engine.tokenizer(text).input_ids
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1))
+    costs: dict[int, list[float]] = {}
+    for _ in range(rounds):
+        for k in (0, 1, 3, 4, 7, 11, 15):
+            speculator.config = speculator.proposer.config = dataclasses.replace(default, num_speculative_tokens=max(k, 1))
+            accepted = speculator.num_accepted_tokens
+            start = time.perf_counter()
+            out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(
+                temperature=0, max_tokens=128, ignore_eos=True, num_speculative_tokens=k))[0]
+            seconds = time.perf_counter() - start
+            steps = len(out.outputs[0].token_ids) - (speculator.num_accepted_tokens - accepted)
+            costs.setdefault(k, []).append(seconds / steps * 1e3)
+    speculator.config = speculator.proposer.config = default
+    return {f"k{k}": statistics.median(v) for k, v in costs.items()}
+
+
+def openvino(python: str, model: str, prompts: list[list[int]], lengths: list[int], rounds: int, k: int,
+             max_ngram: int) -> dict:
+    """OpenVINO GenAI's prompt lookup (``k`` tokens, n-grams up to ``max_ngram``) and plain
+    greedy decoding at batch 1, in ``python``: prompt ``i`` generates ``lengths[i]`` tokens
+    (flexpage's output length: OpenVINO ignores EOS)."""
     with tempfile.TemporaryDirectory() as tmp:
         requests = Path(tmp) / "requests.json"
         out = Path(tmp) / "out.json"
         requests.write_text(json.dumps([{"prompt_token_ids": p, "max_new_tokens": n} for p, n in zip(prompts, lengths)]))
         script = Path(__file__).with_name("openvino_lookup.py")
         subprocess.run([python, str(script), "--model", model, "--requests", str(requests), "--out", str(out),
-                        "--k", str(K), "--max-ngram", str(LOOKUP_MAX), "--rounds", str(rounds)], check=True)
+                        "--k", str(k), "--max-ngram", str(max_ngram), "--rounds", str(rounds)], check=True)
         return json.loads(out.read_text())
 
 
@@ -183,6 +210,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--crossover", action="store_true", help="grounded workload at batches 1-16, nothing disabled")
+    p.add_argument("--step-costs", action="store_true", help="ms per verification step of k + 1 rows, k = 0-15")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 round, 4 prompts each, 32 tokens")
     p.add_argument("--dtype", default="auto", help="both engines' dtype (float32: greedy tokens must be identical)")
     p.add_argument("--deterministic", action="store_true", help="both engines deterministic (bf16 identity)")
@@ -190,6 +218,9 @@ def main() -> None:
     p.add_argument("--openvino-model", default=None)
     p.add_argument("--draft-layers", type=int, default=None,
                    help="propose with a draft model: the default model's first N layers and its LM head")
+    p.add_argument("--k", type=int, default=K, help="num_speculative_tokens (both proposers, and OpenVINO's)")
+    p.add_argument("--ngram", type=int, nargs=2, default=(LOOKUP_MIN, LOOKUP_MAX), metavar=("MIN", "MAX"),
+                   help="prompt_lookup_min and prompt_lookup_max (OpenVINO's max_ngram_size: MAX)")
     p.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT} ({DRAFT_OUT} with a draft)")
     args = p.parse_args()
 
@@ -197,13 +228,14 @@ def main() -> None:
 
     started = time.perf_counter()
     config = {"dtype": args.dtype, "deterministic": args.deterministic}
-    speculative = SPECULATIVE
+    speculative = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.ngram[0],
+                   "prompt_lookup_max": args.ngram[1]}
     if args.draft_layers is not None:
         from flexpage.speculative.draft_model import save_layer_draft
 
         draft_dir = tempfile.TemporaryDirectory(prefix="flexpage-draft-")  # removed when the run ends
         folder = save_layer_draft(None, args.draft_layers, draft_dir.name)
-        speculative = {"method": "draft_model", "model": folder, "num_speculative_tokens": K}
+        speculative = {"method": "draft_model", "model": folder, "num_speculative_tokens": args.k}
     out = args.out or (DEFAULT_OUT if args.draft_layers is None else DRAFT_OUT)
     plain, spec = LLM(**config), LLM(speculative_config=speculative, **config)
     for llm in (plain, spec):
@@ -235,6 +267,9 @@ def main() -> None:
               f"tok/s, ratio {row['ratio']:.2f} {row['per_round_ratio']}; acceptance {row['acceptance_rate']:.2f}, "
               f"{row['mean_accepted_per_verification']:.2f} accepted per verification; identical "
               f"{row['token_identical']}", flush=True)
+    if args.step_costs:
+        result["step_ms"] = step_costs(spec, rounds)
+        print("ms per step, k proposals always accepted: " + ", ".join(f"{k} {v:.1f}" for k, v in result["step_ms"].items()))
     if args.crossover:
         speculator = spec.engine.speculator
         default = speculator.config
@@ -249,7 +284,7 @@ def main() -> None:
     if args.openvino_python and args.openvino_model:
         flex = result["runs"]["grounded_b1"]
         ov = openvino(args.openvino_python, args.openvino_model, workloads["grounded"][0],
-                      [max(1, len(o)) for o in flex["outputs"]], rounds)
+                      [max(1, len(o)) for o in flex["outputs"]], rounds, args.k, args.ngram[1])
         result["openvino_genai"] = {k: v for k, v in ov.items() if k != "per_request"}
         # where OpenVINO's greedy tokens first differ from flexpage's (None: nowhere; its EOS is
         # masked, so a flexpage output that ends with EOS differs at its last token at least)
@@ -262,8 +297,12 @@ def main() -> None:
               f"{ov['modes']['plain']['tok_s_median']:.1f}; flexpage speculative / OpenVINO lookup "
               f"{result['speculative_over_openvino_lookup_b1']:.2f}x", flush=True)
     runs = result["runs"]
+    result["token_identical_everywhere"] = all(r["token_identical"] for r in runs.values())
+    # identity is a target where the engines' kernels do not depend on the rows a step runs:
+    # float32, or deterministic bf16 (plain bf16 differs between batch sizes without speculation too)
+    identity_is_a_target = args.deterministic or str(plain.engine.dtype) == "torch.float32"
     result["targets"] = {
-        "token_identical_everywhere": all(r["token_identical"] for r in runs.values()),
+        **({"token_identical_everywhere": result["token_identical_everywhere"]} if identity_is_a_target else {}),
         "grounded_b1_ge_2.0x": runs["grounded_b1"]["ratio"] >= 2.0,
         "random_b1_ge_0.95x": runs["random_b1"]["ratio"] >= 0.95,
         "b16_ge_1.0x": all(r["ratio"] >= 1.0 for k, r in runs.items() if not k.endswith("_b1")),

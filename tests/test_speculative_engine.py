@@ -196,6 +196,7 @@ def test_a_request_opts_out_or_lowers_k_and_no_proposal_passes_max_tokens():
 
 
 def test_k_adapts_to_acceptance_and_outright_rejections_back_off():
+    # a proposal accepted in part shrinks k; one accepted whole restores it; rejected outright, a pause
     spec = Speculator(SpeculativeConfig.from_dict(NGRAM), max_model_len=512)
     seq = decoding(0, [1, 2, 3, 1, 2, 3, 1, 2])
     spec.propose([seq])
@@ -208,7 +209,9 @@ def test_k_adapts_to_acceptance_and_outright_rejections_back_off():
     assert seq.draft_token_ids == []
     spec.propose([seq])
     assert len(seq.draft_token_ids) == 1
-    spec.verified(seq, 1, 1)
+    spec.verified(seq, 1, 1)  # fully accepted: back to the configured k at once
+    spec.propose([seq])
+    assert len(seq.draft_token_ids) == 4
     assert (spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_verifications) == (7, 2, 3)
 
 

@@ -22,9 +22,11 @@ AMD EPYC Zen 5, one forward's projections and LM head from memory took 0.41-0.56
 oneDNN's packed bf16 at 1-4 rows, 0.68-0.86x at 8-128 and 0.99x at 1,024 (a third of the
 bytes, and both threads given equal shares of the outputs). So where :func:`blocks_at_every_row` says so,
 a bf16 projection keeps its blocks only, like float32. Elsewhere -- Intel CPUs with AMX, whose
-oneDNN bf16 tiles this kernel does not use, unmeasured here -- a bf16 model keeps its packed
-bf16 weights too and reads the blocks for up to :data:`MAX_BLOCK_ROWS` rows only
-(:func:`block_or_packed_linear`).
+oneDNN bf16 tiles outrun the panels on many rows -- a bf16 model keeps its packed bf16 weights
+too and reads the blocks for up to :data:`MAX_BLOCK_ROWS` rows in float32 registers and for
+5-16 rows on the AMX tiles themselves (blocks expanded to bf16 into A tiles, ``x.T`` the B
+tile: the same bits as oneDNN's packed bf16 from 2.4x fewer bytes), oneDNN's packed weight
+beyond (:func:`block_or_packed_linear`).
 
 The blocks expand to exactly the float32 weights the model was loaded with (``d * q [+ m]``
 with ``d * q`` exact), which :func:`gguf_blocks` checks for every weight before using it:
@@ -112,8 +114,8 @@ def block_linear(x: Tensor, blocks: Tensor, bias: Tensor | None = None) -> Tenso
 
 def block_or_packed_linear(x: Tensor, blocks: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x @ W.T + bias`` in ``x``'s dtype for ``W`` given twice: as the kernel's blocks, read for up
-    to :data:`MAX_BLOCK_ROWS` rows (:func:`block_linear`), and packed for
-    oneDNN (``packed``, ``x``'s dtype) for more. One operator that picks per call, so one compiled
+    to :data:`MAX_BLOCK_ROWS` rows (:func:`block_linear`; bf16 on AMX CPUs: up to 16, on the
+    tiles), and packed for oneDNN (``packed``, ``x``'s dtype) for more. One operator that picks per call, so one compiled
     graph serves batch-1 decode and prefill alike. Needs :func:`available`."""
     return torch.ops.flexpage.block_or_packed_linear(x, blocks, packed, bias, MAX_BLOCK_ROWS)
 

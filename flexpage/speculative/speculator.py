@@ -5,8 +5,11 @@ sets ``seq.draft_token_ids`` (the scheduler verifies them in the sequence's deco
 the token budget and free blocks allow). After the step the engine reports each
 verification (:meth:`Speculator.verified`), which adapts that sequence's k:
 
-* **per sequence**: k grows by one after a fully accepted proposal and drops to one more
-  than the accepted count otherwise; a proposal rejected outright makes the sequence
+* **per sequence**: k returns to the configured k after a fully accepted proposal (a copy
+  under way tends to go on; against growing k by one per step, 1.03x tokens/s on
+  ``bench.speculative``'s grounded workload at batch 1 with k = 3 and with k = 10, medians of 5
+  alternating rounds) and drops to one more than the accepted count otherwise; a proposal
+  rejected outright makes the sequence
   skip proposing for 1, 2, 4, then 8 steps (up to 64 with a draft model; reset by any
   acceptance), so text with nothing worth copying costs the n-gram lookup and little else;
 * **under load**: with more than ``disable_by_batch_size`` sequences decoding (vLLM's key of
@@ -135,7 +138,7 @@ class Speculator:
         if state is None:
             return
         if num_accepted == num_drafts:
-            state.k = min(state.k + 1, self.config.num_speculative_tokens)
+            state.k = self.config.num_speculative_tokens
         else:
             state.k = max(1, num_accepted + 1)
         if num_accepted:

@@ -22,6 +22,8 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -425,6 +427,101 @@ void output_panels(const uint32_t* x, int64_t rows, int64_t K, const uint8_t* bl
 }  // namespace bf16
 #pragma GCC pop_options
 
+// bfloat16 inputs of up to 16 rows on CPUs with AMX: y.T = W @ x.T on tiles. Each thread takes
+// 16 output rows at a time; for each block column (32 weights along k) their 16 blocks expand to
+// bf16 (the bf16 panels' rounding), one 64-byte row each: the A tile, in the blocks' own order.
+// The B tile is x.T as pairs along k, laid out once per call; tdpbf16ps accumulates the C tile
+// (16 outputs x the input rows), transposed once per 16 outputs on the way out. The blocks are
+// read once per call and the tile multiply costs next to nothing, so 16 rows cost about what 5
+// do: speculative verification (a decoding sequence plus its proposals) and small decode batches.
+// oneDNN's packed bf16, which such CPUs ran for 5-16 rows, reads the bf16 weights (2.4x the
+// blocks' bytes) and gives the same bits (both sum each 32-wide column in order on the tiles).
+namespace amx {
+constexpr int64_t kRows = 16;     // input rows per call at most: one B tile's columns
+constexpr int64_t kOutputs = 16;  // output rows per C tile
+}  // namespace amx
+
+// compilers that know the AMX intrinsics and feature names (GCC 11, clang 12); elsewhere the
+// tiles are never used
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define FLEXPAGE_AMX_TILES 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
+namespace amx {
+
+struct TileConfig {  // ldtilecfg's 64-byte operand, palette 1
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// x_pairs[u * rows + i] = x[i, 2u], x[i, 2u + 1]: the B tiles of every block column, in order
+inline void pairs_by_column(const uint32_t* x, int64_t rows, int64_t pairs, uint32_t* x_pairs) {
+  for (int64_t u = 0; u < pairs; ++u)
+    for (int64_t i = 0; i < rows; ++i) x_pairs[u * rows + i] = x[i * pairs + u];
+}
+
+// Output rows [16 * begin, 16 * end) of y = x @ W.T + bias for `rows` <= 16 input rows given as
+// x_pairs (pairs_by_column), prefetching the next 16 output rows' blocks a share per block column
+template <typename Format>
+void output_tiles(const uint32_t* x_pairs, int64_t rows, int64_t K, const uint8_t* blocks, const float* bias,
+                  at::BFloat16* y, int64_t N, int64_t begin, int64_t end) {
+  TileConfig config;
+  config.rows[0] = kOutputs, config.colsb[0] = rows * 4;   // C: 16 outputs x rows float32
+  config.rows[1] = kOutputs, config.colsb[1] = kBlock * 2;  // A: 16 outputs x 32 bf16 weights
+  config.rows[2] = kBlock / 2, config.colsb[2] = rows * 4;  // B: 16 pairs along k x rows
+  _tile_loadconfig(&config);
+  const int64_t row_bytes = K / kBlock * Format::kBytes, columns = K / kBlock;
+  const int64_t lines = kOutputs * row_bytes / 64;
+  alignas(64) uint32_t a_tile[kOutputs * kBlock / 2];
+  alignas(64) float c_tile[kOutputs * kRows] = {};
+  for (int64_t t = begin; t < end; ++t) {
+    const uint8_t* w = blocks + t * kOutputs * row_bytes;
+    const uint8_t* next = t + 1 < end ? w + kOutputs * row_bytes : nullptr;
+    _tile_zero(0);
+    for (int64_t b = 0; b < columns; ++b) {
+      if (next != nullptr)
+        for (int64_t line = b * lines / columns; line < (b + 1) * lines / columns; ++line)
+          _mm_prefetch(reinterpret_cast<const char*>(next) + 64 * line, _MM_HINT_T0);
+      for (int j = 0; j < kOutputs; ++j)
+        _mm512_store_si512(a_tile + j * kBlock / 2, Format::pairs(w + j * row_bytes + b * Format::kBytes));
+      _tile_loadd(1, a_tile, kBlock * 2);
+      _tile_loadd(2, x_pairs + b * kBlock / 2 * rows, rows * 4);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, c_tile, kRows * 4);
+    __m512i c[16];
+    for (int j = 0; j < 16; ++j) c[j] = _mm512_load_si512(c_tile + j * kRows);
+    bf16::transpose16(c);  // c[i]: the 16 outputs of input row i
+    const __m512 add = bias != nullptr ? _mm512_loadu_ps(bias + t * kOutputs) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < rows; ++i)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * N + t * kOutputs),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_castsi512_ps(c[i]), add)));
+  }
+  _tile_release();
+}
+
+}  // namespace amx
+#pragma GCC pop_options
+#endif
+
+// True where this CPU has AMX bf16 tiles and Linux lets this process use them (asked once)
+bool has_amx_tiles() {
+#ifdef FLEXPAGE_AMX_TILES
+  static const bool has = [] {
+    if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("amx-tile") ||
+        !__builtin_cpu_supports("amx-bf16"))
+      return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
 // True where this CPU runs the bf16 panels (AVX512-BF16)
 bool has_bf16_panels() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -464,7 +561,13 @@ at::Tensor float_block_linear(const at::Tensor& x, const at::Tensor& blocks, con
   return out;
 }
 
-// x @ W.T + bias in bf16 on the bf16 panels, x validated
+// True where x (bf16, more rows than bf16::kDotRows, at most amx::kRows) runs on the AMX tiles
+bool tiles_serve(const at::Tensor& x, const at::Tensor& blocks) {
+  return x.scalar_type() == at::kBFloat16 && x.size(0) > bf16::kDotRows && x.size(0) <= amx::kRows &&
+         blocks.size(0) % amx::kOutputs == 0 && has_bf16_panels() && has_amx_tiles();
+}
+
+// x @ W.T + bias in bf16 on the AMX tiles (where tiles_serve) or else the bf16 panels, x validated
 at::Tensor bf16_block_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
                              bool q4_1) {
   const int64_t K = x.size(1), N = blocks.size(0), rows = x.size(0);
@@ -476,6 +579,20 @@ at::Tensor bf16_block_linear(const at::Tensor& x, const at::Tensor& blocks, cons
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   const float* biasp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   at::BFloat16* yp = out.data_ptr<at::BFloat16>();
+#ifdef FLEXPAGE_AMX_TILES
+  if (tiles_serve(x, blocks)) {
+    std::vector<uint32_t> x_pairs(rows * K / 2);
+    amx::pairs_by_column(xp, rows, K / 2, x_pairs.data());
+    at::parallel_for(0, N / amx::kOutputs, 1, [&](int64_t begin, int64_t end) {
+      if (q4_1) {
+        amx::output_tiles<bf16::Q4_1>(x_pairs.data(), rows, K, bp, biasp, yp, N, begin, end);
+      } else {
+        amx::output_tiles<bf16::Q8_0>(x_pairs.data(), rows, K, bp, biasp, yp, N, begin, end);
+      }
+    });
+    return out;
+  }
+#endif
   at::parallel_for(0, N / bf16::kPanel, 1, [&](int64_t begin, int64_t end) {
     if (q4_1) {
       bf16::output_panels<bf16::Q4_1>(xp, rows, K, bp, biasp, yp, N, begin, end);
@@ -515,7 +632,8 @@ at::Tensor bf16_rows_linear(const at::Tensor& x, const at::Tensor& blocks, const
 }
 
 // x @ W.T + bias from the blocks, for any number of rows, in x's dtype: float32, or bf16 (where
-// the CPU has AVX512-BF16: up to bf16::kDotRows rows 16-wide in float32, more on the bf16 panels;
+// the CPU has AVX512-BF16: up to bf16::kDotRows rows 16-wide in float32, up to amx::kRows on the AMX
+// tiles where the CPU has them, more on the bf16 panels;
 // elsewhere in float32 on AVX2; rounded to bf16 after float32)
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "block_linear: CPU tensors only");
@@ -535,7 +653,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std
   if (x.scalar_type() == at::kFloat) return float_block_linear(x, blocks, bias, q4_1);
   if (has_bf16_panels() && rows > 0) {
     if (rows <= bf16::kDotRows) return bf16_rows_linear(x, blocks, bias, q4_1);
-    if (N % bf16::kPanel == 0) return bf16_block_linear(x, blocks, bias, q4_1);
+    if (tiles_serve(x, blocks) || N % bf16::kPanel == 0) return bf16_block_linear(x, blocks, bias, q4_1);
   }
   std::optional<at::Tensor> bias32;
   if (bias.has_value() && bias->defined()) bias32 = bias->to(at::kFloat);
@@ -600,11 +718,12 @@ bool blocks_match(const at::Tensor& blocks, const at::Tensor& weight) {
 
 // A model whose weights are also packed for oneDNN (bf16 where the CPU has bf16): up to
 // max_block_rows rows are computed from the blocks in float32 (memory-bound, and the blocks are
-// ~40% of bf16's bytes), more rows by oneDNN's packed kernel on `packed` (compute-bound, where
-// bf16 runs at twice float32's rate). One operator, so that one compiled graph serves both.
+// ~40% of bf16's bytes), and bf16 rows up to amx::kRows on the AMX tiles where the CPU has them
+// (tiles_serve); more rows by oneDNN's packed kernel on `packed` (compute-bound, where bf16 runs
+// at twice float32's rate). One operator, so that one compiled graph serves all.
 at::Tensor block_or_packed_linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& packed,
                                   const std::optional<at::Tensor>& bias, int64_t max_block_rows) {
-  if (x.size(0) <= max_block_rows) return block_linear(x, blocks, bias);
+  if (x.size(0) <= max_block_rows || tiles_serve(x, blocks)) return block_linear(x, blocks, bias);
   static const auto linear = c10::Dispatcher::singleton()
       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
