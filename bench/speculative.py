@@ -164,10 +164,11 @@ def measure(plain: Any, spec: Any, prompts: list[list[int]], params: Any, batch:
     }
 
 
-def step_costs(llm: Any, rounds: int) -> dict[str, float]:
-    """Milliseconds per step of one sequence verifying k proposals that are always accepted (a
-    numbered sentence repeated 12 times, 128 greedy tokens, the prompt cached), for k = 0 (a
-    plain decode step) to 15: the cost of a verification step of k + 1 rows. Median over rounds."""
+def step_costs(llm: Any, rounds: int = 3) -> dict[str, float]:
+    """Milliseconds per step of one sequence verifying k prompt-lookup proposals that are always
+    accepted (a numbered sentence repeated 12 times, 128 greedy tokens, the prompt cached), for
+    k = 0 (a plain decode step) to 15: the cost of a verification step of k + 1 rows. Median
+    over ``rounds``."""
     from flexpage import SamplingParams
 
     speculator = llm.engine.speculator
@@ -210,7 +211,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--crossover", action="store_true", help="grounded workload at batches 1-16, nothing disabled")
-    p.add_argument("--step-costs", action="store_true", help="ms per verification step of k + 1 rows, k = 0-15")
+    p.add_argument("--step-costs", action="store_true",
+                   help="ms per verification step of k + 1 rows, k = 0-15 (prompt lookup only)")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 round, 4 prompts each, 32 tokens")
     p.add_argument("--dtype", default="auto", help="both engines' dtype (float32: greedy tokens must be identical)")
     p.add_argument("--deterministic", action="store_true", help="both engines deterministic (bf16 identity)")
@@ -267,8 +269,8 @@ def main() -> None:
               f"tok/s, ratio {row['ratio']:.2f} {row['per_round_ratio']}; acceptance {row['acceptance_rate']:.2f}, "
               f"{row['mean_accepted_per_verification']:.2f} accepted per verification; identical "
               f"{row['token_identical']}", flush=True)
-    if args.step_costs:
-        result["step_ms"] = step_costs(spec, rounds)
+    if args.step_costs and args.draft_layers is None:
+        result["step_ms"] = step_costs(spec)
         print("ms per step, k proposals always accepted: " + ", ".join(f"{k} {v:.1f}" for k, v in result["step_ms"].items()))
     if args.crossover:
         speculator = spec.engine.speculator
