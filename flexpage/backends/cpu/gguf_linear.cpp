@@ -506,13 +506,12 @@ void output_tiles(const uint32_t* x_pairs, int64_t rows, int64_t K, const uint8_
 #pragma GCC pop_options
 #endif
 
-// True where this CPU has AMX bf16 tiles and Linux lets this process use them (asked once)
+// True where this CPU has AMX bf16 tiles and Linux lets this process use them (asked once);
+// the tile code also needs the bf16 panels' AVX-512 (tiles_serve asks for both)
 bool has_amx_tiles() {
 #ifdef FLEXPAGE_AMX_TILES
   static const bool has = [] {
-    if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("amx-tile") ||
-        !__builtin_cpu_supports("amx-bf16"))
-      return false;
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
     constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
@@ -567,9 +566,10 @@ bool tiles_serve(const at::Tensor& x, const at::Tensor& blocks) {
          blocks.size(0) % amx::kOutputs == 0 && has_bf16_panels() && has_amx_tiles();
 }
 
-// x @ W.T + bias in bf16 on the AMX tiles (where tiles_serve) or else the bf16 panels, x validated
+// x @ W.T + bias in bf16 on the AMX tiles (on_tiles: tiles_serve(x, blocks)) or else the bf16
+// panels, x validated
 at::Tensor bf16_block_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
-                             bool q4_1) {
+                             bool q4_1, bool on_tiles) {
   const int64_t K = x.size(1), N = blocks.size(0), rows = x.size(0);
   const at::Tensor input = x.contiguous();
   at::Tensor bias32;
@@ -580,7 +580,7 @@ at::Tensor bf16_block_linear(const at::Tensor& x, const at::Tensor& blocks, cons
   const float* biasp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   at::BFloat16* yp = out.data_ptr<at::BFloat16>();
 #ifdef FLEXPAGE_AMX_TILES
-  if (tiles_serve(x, blocks)) {
+  if (on_tiles) {
     std::vector<uint32_t> x_pairs(rows * K / 2);
     amx::pairs_by_column(xp, rows, K / 2, x_pairs.data());
     at::parallel_for(0, N / amx::kOutputs, 1, [&](int64_t begin, int64_t end) {
@@ -653,7 +653,8 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std
   if (x.scalar_type() == at::kFloat) return float_block_linear(x, blocks, bias, q4_1);
   if (has_bf16_panels() && rows > 0) {
     if (rows <= bf16::kDotRows) return bf16_rows_linear(x, blocks, bias, q4_1);
-    if (tiles_serve(x, blocks) || N % bf16::kPanel == 0) return bf16_block_linear(x, blocks, bias, q4_1);
+    const bool on_tiles = tiles_serve(x, blocks);
+    if (on_tiles || N % bf16::kPanel == 0) return bf16_block_linear(x, blocks, bias, q4_1, on_tiles);
   }
   std::optional<at::Tensor> bias32;
   if (bias.has_value() && bias->defined()) bias32 = bias->to(at::kFloat);
