@@ -1,7 +1,7 @@
 """Speculative decoding (prompt lookup) vs none, on text worth copying and on text with nothing to copy.
 
     python -m bench.speculative [--rounds 3] [--max-tokens 160] [--quick] [--crossover] [--step-costs]
-                                [--k 10] [--ngram 3 5] [--dtype float32] [--deterministic]
+                                [--k 10] [--ngram 3 5] [--max-branches 3] [--dtype float32] [--deterministic]
                                 [--openvino-python /work/ov-venv/bin/python --openvino-model DIR]
 
 On the default model (SmolLM2-135M-Instruct, bf16 where the CPU has it, or ``--dtype``), one
@@ -25,6 +25,10 @@ length per verification, and whether every output was token-identical between th
 with ``disable_by_batch_size`` lifted (the speculating engine proposes at every batch size),
 which is where the default comes from. ``--step-costs`` adds what one sequence's verification
 step of k + 1 rows costs (k = 0: a decode step).
+
+``--max-branches N`` lets prompt lookup propose up to N continuations verified as one tree and
+adds a third engine, the same with one branch: every workload and batch runs the tree
+engine against it too (``versus_one_branch``: whether the extra branches pay).
 
 ``--openvino-python`` / ``--openvino-model`` add OpenVINO GenAI's prompt lookup
 (``LLMPipeline(model, "CPU", prompt_lookup=True)``, greedy, the same k and n-gram size) on the
@@ -50,6 +54,7 @@ from bench.anchors import VOCAB_RANGE
 
 DEFAULT_OUT = Path("bench/results/speculative.json")
 DRAFT_OUT = Path("bench/results/speculative_draft.json")
+BRANCHES_OUT = Path("bench/results/speculative_branches.json")
 K, LOOKUP_MIN, LOOKUP_MAX = 10, 3, 5
 
 PARAGRAPHS = [
@@ -223,6 +228,8 @@ def main() -> None:
     p.add_argument("--k", type=int, default=K, help="num_speculative_tokens (both proposers, and OpenVINO's)")
     p.add_argument("--ngram", type=int, nargs=2, default=(LOOKUP_MIN, LOOKUP_MAX), metavar=("MIN", "MAX"),
                    help="prompt_lookup_min and prompt_lookup_max (OpenVINO's max_ngram_size: MAX)")
+    p.add_argument("--max-branches", type=int, default=1,
+                   help="prompt lookup's max_branches; above 1 a one-branch engine runs beside, for the ratio")
     p.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT} ({DRAFT_OUT} with a draft)")
     args = p.parse_args()
 
@@ -231,17 +238,21 @@ def main() -> None:
     started = time.perf_counter()
     config = {"dtype": args.dtype, "deterministic": args.deterministic}
     speculative = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.ngram[0],
-                   "prompt_lookup_max": args.ngram[1]}
+                   "prompt_lookup_max": args.ngram[1], "max_branches": args.max_branches}
     if args.draft_layers is not None:
         from flexpage.speculative.draft_model import save_layer_draft
 
         draft_dir = tempfile.TemporaryDirectory(prefix="flexpage-draft-")  # removed when the run ends
         folder = save_layer_draft(None, args.draft_layers, draft_dir.name)
         speculative = {"method": "draft_model", "model": folder, "num_speculative_tokens": args.k}
-    out = args.out or (DEFAULT_OUT if args.draft_layers is None else DRAFT_OUT)
+    out = args.out or (DRAFT_OUT if args.draft_layers is not None else BRANCHES_OUT if args.max_branches > 1
+                       else DEFAULT_OUT)
     plain, spec = LLM(**config), LLM(speculative_config=speculative, **config)
-    for llm in (plain, spec):
-        llm.engine.warm_up()
+    one_branch = LLM(speculative_config={**speculative, "max_branches": 1}, **config) \
+        if args.max_branches > 1 and args.draft_layers is None else None
+    for llm in (plain, spec, one_branch):
+        if llm is not None:
+            llm.engine.warm_up()
     tokenizer = plain.engine.tokenizer
     grounded = [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))
                 for c in grounded_chats()]
@@ -269,6 +280,12 @@ def main() -> None:
               f"tok/s, ratio {row['ratio']:.2f} {row['per_round_ratio']}; acceptance {row['acceptance_rate']:.2f}, "
               f"{row['mean_accepted_per_verification']:.2f} accepted per verification; identical "
               f"{row['token_identical']}", flush=True)
+        if one_branch is not None:
+            versus = measure(one_branch, spec, prompts, params, batch, rounds)
+            result.setdefault("versus_one_branch", {})[f"{name}_b{batch}"] = {
+                k: v for k, v in versus.items() if k != "outputs"}
+            print(f"  {args.max_branches} branches vs 1: {versus['ratio']:.2f} {versus['per_round_ratio']}; tree "
+                  f"verifications {spec.engine.stats()['spec_decode_num_tree_drafts']}", flush=True)
     if args.step_costs and args.draft_layers is None:
         result["step_ms"] = step_costs(spec)
         print("ms per step, k proposals always accepted: " + ", ".join(f"{k} {v:.1f}" for k, v in result["step_ms"].items()))

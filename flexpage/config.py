@@ -210,9 +210,6 @@ class EngineConfig:
             spec = SpeculativeConfig.from_json(spec)
         elif spec is not None and not isinstance(spec, SpeculativeConfig):
             spec = SpeculativeConfig.from_dict(spec)
-        if spec is not None and spec.max_branches != 1:
-            raise ValueError(f"speculative_config: max_branches={spec.max_branches}, but the engine verifies one "
-                             f"chain per sequence so far; use 1")
         self.speculative_config = spec
 
     def _check_tensor_parallel(self) -> None:

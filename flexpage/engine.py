@@ -44,6 +44,7 @@ from flexpage.outputs import CompletionOutput, RequestOutput, SpeculationCounts
 from flexpage.sampling_params import SamplingParams
 from flexpage.speculative.draft_model import DraftModelProposer
 from flexpage.speculative.speculator import Speculator
+from flexpage.speculative.tree import count_proposals
 from flexpage.structured.backend import GrammarMatcher
 from flexpage.structured.compiler import GrammarCompiler
 from flexpage.structured.llguidance_backend import LLGuidanceBackend
@@ -273,6 +274,7 @@ class LLMEngine:
                 else:
                     for item in sched.scheduled:
                         self._run_alone(item, touched)
+        self.scheduler.release_branches()
         self._advance_beams(touched)
         if not self.requests:  # idle: what the last steps freed goes back now, not at the next request
             self._run_kv_ops(self.block_manager.drain_ops())
@@ -327,7 +329,7 @@ class LLMEngine:
                                                   [seq.token_ids[p + 1] for p in positions],
                                                   request.params.prompt_logprobs))
                     owners.append((request, positions))
-            offset += item.num_new_tokens
+            offset += item.num_rows
         return rows, owners
 
     def _sample_rows(self, sampled: list[ScheduledSequence]) -> tuple[list[SampleRow], list[GrammarMatcher | None]]:
@@ -348,10 +350,12 @@ class LLMEngine:
             first = request.seqs.index(seq)
             forks = self.scheduler.forks_due(seq)
             history = TokenHistory(seq.prompt_token_ids, seq.output_token_ids)
+            branches = tuple(branch.drafts for branch in item.branches)
             for sample in [first, *range(len(request.seqs), len(request.seqs) + forks)]:
-                rows.append(SampleRow(logits_row, request.params, history, request.generators[sample], item.drafts))
+                rows.append(SampleRow(logits_row, request.params, history, request.generators[sample], item.drafts,
+                                      branches))
                 grammars.append(request.grammars[sample] if request.grammars else None)
-            logits_row += 1 + len(item.drafts)
+            logits_row += item.num_logits_rows
         return rows, grammars
 
     def _apply_samples(self, sampled: list[Sequence], rows: list[SampleRow], result: StepResult,
@@ -379,7 +383,7 @@ class LLMEngine:
                         self._finish(seq, status, touched)
                         break
                 if rows[i].drafts:
-                    self._accept_drafts(seq, len(rows[i].drafts), len(result.token_ids[i]) - 1)
+                    self._accept_drafts(seq, rows[i], result.token_ids[i][:-1])
             except Exception as error:
                 self._fail(request, error, touched)
 
@@ -423,11 +427,14 @@ class LLMEngine:
             seq.append_token(c.token)
         group.beams = request.seqs = beams
 
-    def _accept_drafts(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+    def _accept_drafts(self, seq: Sequence, row: SampleRow, accepted: list[int]) -> None:
         """After a verification: the accepted proposals' KV counts as computed, the rest rolls back."""
-        self.scheduler.accept_drafts(seq, num_accepted)
+        self.scheduler.accept_drafts(seq, len(accepted))
         if self.speculator is not None:
-            self.speculator.verified(seq, num_drafts, num_accepted)
+            branches = [row.drafts, *row.branches]
+            self.speculator.verified(seq, count_proposals(branches), len(accepted),
+                                     whole=any(list(branch) == accepted for branch in branches),
+                                     tree=bool(row.branches))
 
     def _run_alone(self, item: ScheduledSequence, touched: dict[str, Request]) -> None:
         """Run one scheduled sequence of a step whose batched forward pass failed (its KV

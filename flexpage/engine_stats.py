@@ -38,6 +38,7 @@ def engine_stats(engine: LLMEngine) -> dict[str, float]:
         "spec_decode_num_draft_tokens": spec.num_draft_tokens if spec else 0,
         "spec_decode_num_accepted_tokens": spec.num_accepted_tokens if spec else 0,
         "spec_decode_num_drafts": spec.num_verifications if spec else 0,
+        "spec_decode_num_tree_drafts": spec.num_tree_verifications if spec else 0,
         **tier_stats(engine),
         **engine.counters,
     }

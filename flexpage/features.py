@@ -72,6 +72,15 @@ def _gguf_model(config: Any) -> bool:
     return config.quantization == "auto" and (config.model is None or str(config.model).lower().endswith(".gguf"))
 
 
+def _max_branches(config: Any) -> int:
+    """Continuations speculative decoding verifies per sequence (0: no speculative decoding);
+    the config may still hold the dict a user gave."""
+    spec = config.speculative_config
+    if spec is None:
+        return 0
+    return spec.get("max_branches", 1) if isinstance(spec, dict) else spec.max_branches
+
+
 FEATURES: tuple[Feature, ...] = (
     Feature("virtual", "kv_layout", "kv_layout='virtual'", lambda c: c.kv_layout == "virtual"),
     Feature("kv_budget", "kv_budget", "kv_budget_tokens (or a request's kv_budget)",
@@ -94,7 +103,9 @@ FEATURES: tuple[Feature, ...] = (
     Feature("swap_preemption", "preemption_mode", "preemption_mode='swap'", lambda c: c.preemption_mode == "swap"),
     Feature("transformers_impl", "model_impl", "model_impl='transformers'",
             lambda c: c.model_impl == "transformers"),
-    Feature("speculative", "speculative_config", "speculative_config", lambda c: c.speculative_config is not None),
+    Feature("speculative", "speculative_config", "speculative_config", lambda c: _max_branches(c) == 1),
+    Feature("speculative_tree", "speculative_config", "speculative_config with max_branches > 1",
+            lambda c: _max_branches(c) > 1),
     # a request's only (no engine option turns it on): check_request names it
     Feature("beam_search", "beam_search", "beam search (LLM.beam_search, use_beam_search)", lambda c: False),
     # Structured outputs (a request's grammar) are no feature here: they refuse no option,
@@ -114,6 +125,8 @@ def _pairs(reasons: dict[tuple[str, ...], str]) -> dict[frozenset[str], str]:
 
 _TIERS_HOLD_PREFIX_BLOCKS = ("the tiers hold blocks the prefix cache gave up, and the virtual layout shares none "
                              "(its rows are one sequence's)")
+_SPECULATIVE_BUDGET = ("a budget scores and evicts blocks as they fill, and a verification step fills blocks with "
+                       "proposed tokens that may be rolled back")
 _INT8 = "int8 projections run on the compact forward in one process, without deterministic row tiles"
 
 #: refused pairs -> why (one reason per pair, written from the first feature's side)
@@ -138,8 +151,10 @@ INCOMPATIBLE: dict[frozenset[str], str] = _pairs({
                                   "8-bit decode rows widen their keys in another kernel than prefill rows",
     ("int8_kv", "virtual"): "a virtual row is read in place by prefill rows too, and the 8-bit prefill kernel "
                             "over the pool is untested",
-    ("speculative", "kv_budget"): "a budget scores and evicts blocks as they fill, and a verification step fills "
-                                  "blocks with proposed tokens that may be rolled back",
+    ("speculative", "kv_budget"): _SPECULATIVE_BUDGET,
+    ("speculative_tree", "kv_budget"): _SPECULATIVE_BUDGET,
+    ("speculative_tree", "virtual"): "each branch shares the sequence's blocks and copies the last one; a virtual "
+                                     "row shares none",
     ("beam_search", "virtual"): "beams fork at every step, and a virtual-layout fork copies its parent's blocks "
                                 "into a row reserved at admission (it shares none)",
     ("beam_search", "kv_budget"): "beams are ranked by log-probabilities over their whole context, and a budget "

@@ -75,15 +75,20 @@ SETTINGS: dict[str, dict] = {
     "swap_preemption": dict(preemption_mode="swap", swap_space="1MiB"),
     "transformers_impl": dict(model_impl="transformers"),
     # prompt lookup from 1-grams, at any batch size: proposals in every step where blocks allow them
-    "speculative": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+    "speculative": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
                                             "prompt_lookup_max": 2, "disable_by_batch_size": 64}),
+    "speculative_tree": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                 "prompt_lookup_min": 1, "prompt_lookup_max": 2, "max_branches": 3,
+                                                 "disable_by_batch_size": 64}),
     "beam_search": dict(),  # a request's: see BEAMS
 }
 BASE = dict(dtype="float32", compile=False, num_blocks=11, block_size=BLOCK, max_num_batched_tokens=16,
             max_model_len=128, max_num_seqs=8)
 
 ROUND_1 = random_prompts((5, 17, 33, 60, 9, 24), seed=7)
-ROUND_2 = [ROUND_1[2] + [11, 12, 13], ROUND_1[5][:16] + [5, 6, 7]]  # cached prefixes (or tiers')
+# cached prefixes (or tiers'); the second ends with a token that occurred twice before, followed
+# differently each time: prompt lookup proposes two branches whatever the model writes
+ROUND_2 = [ROUND_1[2] + [11, 12, 13], ROUND_1[5][:16] + [5, 6, 7, 5, 8, 5]]
 NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 EVICTING = [3]  # ROUND_1 indices whose context outgrows BUDGET
@@ -377,7 +382,9 @@ def test_working_features_together_give_hf_greedy_tokens(names, models, expected
             assert runner.deterministic
         if "int8_kv" in names:
             assert runner.pool.dtype == torch.int8 and runner.host.dtype == torch.int8
-        if "speculative" in names:
+        if "speculative" in names or "speculative_tree" in names:
             assert stats["spec_decode_num_accepted_tokens"] > 0  # proposals were verified and accepted
+        if "speculative_tree" in names:
+            assert stats["spec_decode_num_tree_drafts"] > 0  # several branches were verified at once
     finally:
         _close(llm)

@@ -20,6 +20,7 @@ in ``test_rejection_sampler.py``.
 
 from __future__ import annotations
 
+import contextlib
 import random
 from types import SimpleNamespace
 
@@ -35,6 +36,7 @@ from flexpage.speculative.config import SpeculativeConfig
 from flexpage.speculative.speculator import Speculator
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+TREE = {**NGRAM, "max_branches": 3}
 
 
 # -- scheduler and block manager, with a fake model ---------------------------------------
@@ -47,12 +49,14 @@ def fake_token(seq_id: int, position: int) -> int:
 
 class SpeculatingLoop:
     """The engine loop with a fake model and a shadow of the pool: slot -> the token prefix
-    whose KV it holds (proposed tokens included, as the model computes them)."""
+    whose KV it holds (proposed tokens included, as the model computes them). With
+    ``branches > 1`` each sequence proposes that many continuations, verified as a tree."""
 
-    def __init__(self, sched: Scheduler, rng: random.Random, right: float) -> None:
-        self.sched, self.rng, self.right = sched, rng, right
+    def __init__(self, sched: Scheduler, rng: random.Random, right: float, branches: int = 1) -> None:
+        self.sched, self.rng, self.right, self.branches = sched, rng, right, branches
         self.bm = sched.block_manager
         self.kv: dict[int, list] = {}
+        self.adopted = 0  # verifications that accepted a branch other than the first
 
     def propose(self, seq: Sequence) -> list[int]:
         """Up to 4 proposals (none past ``max_tokens``), each the model's token with probability ``right``."""
@@ -64,13 +68,16 @@ class SpeculatingLoop:
 
     def step(self) -> None:
         for seq in self.sched.running:
-            seq.draft_token_ids = self.propose(seq) if seq.num_uncomputed_tokens == 1 else []
+            proposals = [self.propose(seq) for _ in range(self.branches)] if seq.num_uncomputed_tokens == 1 else []
+            proposals = [p for p in proposals if p]
+            seq.draft_token_ids, seq.draft_branches = (proposals[0], proposals[1:]) if proposals else ([], [])
         out = self.sched.schedule()
         size = self.bm.block_size
-        for op in out.kv_ops:
-            assert op.kind is BlockOpKind.COPY
-            self.kv[op.dst] = list(self.kv.get(op.src, [None] * size))
-        for item in out.scheduled:
+        assert all(op.kind is BlockOpKind.COPY for op in out.kv_ops)
+        read = [list(self.kv.get(op.src, [None] * size)) for op in out.kv_ops]  # one gather, then one scatter,
+        for op, block in zip(out.kv_ops, read):  # as the runner copies
+            self.kv[op.dst] = block
+        for item in (piece for whole in out.scheduled for piece in (whole, *whole.branches)):
             tokens = item.seq.token_ids[: item.start] + item.token_ids
             for p in range(item.start, item.start + item.num_new_tokens):
                 block = self.kv.setdefault(self.bm.block_table(item.seq)[p // size], [None] * size)
@@ -80,16 +87,22 @@ class SpeculatingLoop:
             seq = item.seq
             if not item.sample:
                 continue
-            accepted = 0  # the model's tokens after the last one, while the proposals agree
-            while accepted < len(item.drafts) and item.drafts[accepted] == fake_token(seq.seq_id, seq.num_tokens):
-                seq.append_token(item.drafts[accepted])
-                accepted += 1
-            seq.append_token(fake_token(seq.seq_id, seq.num_tokens))
+            # the model's tokens after the last one, along the branch that agrees longest (a
+            # greedy walk of the tree: at each node, the child the model would pick)
+            truth = [fake_token(seq.seq_id, seq.num_tokens + i) for i in range(len(item.drafts) + 1)]
+            truth = truth + [fake_token(seq.seq_id, seq.num_tokens + len(truth) + i) for i in range(8)]
+            agree = [next((i for i, (d, t) in enumerate(zip(drafts, truth)) if d != t), len(drafts))
+                     for drafts in (item.drafts, *(b.drafts for b in item.branches))]
+            accepted = max(agree)
+            self.adopted += agree[0] < accepted
+            for _ in range(accepted + 1):
+                seq.append_token(fake_token(seq.seq_id, seq.num_tokens))
             if item.drafts:
                 self.sched.accept_drafts(seq, accepted)
             self.check(seq)
             if seq.num_output_tokens >= seq.max_tokens:
                 self.sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
+        self.sched.release_branches()
 
     def check(self, seq: Sequence) -> None:
         size, table = self.bm.block_size, self.bm.block_table(seq)
@@ -110,18 +123,24 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, **config) -> Sched
     return Scheduler(SchedulerConfig(**config), BlockManager(num_blocks, block_size))
 
 
+@pytest.mark.parametrize("branches", [1, 3])
 @pytest.mark.parametrize("right", [0.0, 0.5, 1.0])
-def test_verified_proposals_keep_every_computed_slot_right_and_rejected_ones_roll_back(right):
-    rng = random.Random(int(right * 10))
-    sched = make_scheduler(max_num_batched_tokens=24, max_model_len=128)
+def test_verified_proposals_keep_every_computed_slot_right_and_rejected_ones_roll_back(right, branches):
+    """With several branches, each runs on its own copy of the last block; the sequence goes
+    on with the blocks of the branch that was accepted, and every other branch's go back."""
+    rng = random.Random(int(right * 10) + branches)
+    sched = make_scheduler(max_num_batched_tokens=24 * branches, max_model_len=128)
     seqs = [Sequence(i, [rng.randrange(97) for _ in range(rng.randint(3, 20))], max_tokens=30) for i in range(6)]
     for seq in seqs:
         sched.add(seq)
-    SpeculatingLoop(sched, rng, right).run()
+    loop = SpeculatingLoop(sched, rng, right, branches)
+    loop.run()
     for seq in seqs:
         assert seq.output_token_ids == [fake_token(seq.seq_id, seq.num_prompt_tokens + i) for i in range(30)]
     stats = sched.block_manager.stats()
     assert stats.used == 0 and stats.free + stats.cached == stats.total - 1
+    if branches > 1 and right == 0.5:
+        assert loop.adopted > 0  # some sequences went on with another branch's blocks
 
 
 def test_the_prefix_cache_serves_accepted_tokens_never_rejected_proposals():
@@ -248,8 +267,8 @@ def test_outright_rejections_back_off_doubling_up_to_a_cap_that_depends_on_the_p
 def test_engine_options_that_do_not_combine_are_refused_by_name():
     with pytest.raises(UnsupportedCombination, match="speculative_config.*kv_budget|kv_budget.*speculative_config"):
         EngineConfig(speculative_config=NGRAM, kv_budget_tokens=64, block_size=8)
-    with pytest.raises(ValueError, match="max_branches=2"):
-        EngineConfig(speculative_config={**NGRAM, "max_branches": 2})
+    with pytest.raises(UnsupportedCombination, match="kv_layout='virtual'.*max_branches > 1"):
+        EngineConfig(speculative_config={**NGRAM, "max_branches": 2}, kv_layout="virtual")
     assert EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}').speculative_config \
         == SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
 
@@ -299,6 +318,101 @@ def test_greedy_tokens_with_prompt_lookup_equal_plain_decoding(kind, tiny_model,
     if kind == "llama":
         reference = load_reference(tiny_model(kind))
         assert [[hf_greedy(reference, p, GREEDY.max_tokens, stop_at_eos=False)] for p in PROMPTS] == expected
+
+
+class KnowsTheAnswer:
+    """A proposer of three branches per sequence that knows each prompt's greedy output
+    (``answers``): depending on the position, the right continuation is the first, second or
+    third branch, in full or cut short, and the second shares a prefix with the third. What
+    it proposes depends only on the sequence's tokens (seeded runs repeat)."""
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]]) -> None:
+        self.answers = answers
+
+    def propose_branches(self, wanted):
+        proposals = []
+        for _, token_ids, k in wanted:
+            prompt = next(p for p in self.answers if tuple(token_ids[: len(p)]) == p)
+            done = len(token_ids) - len(prompt)
+            truth = self.answers[prompt][done : done + k]
+            if not truth:
+                proposals.append([])
+                continue
+            wrong = [(t + 1) % 1000 for t in truth]
+            cut = max(1, len(truth) // 2)
+            branches = [wrong, truth[:cut] + wrong[cut:], truth]
+            branches.insert(done % 3, branches.pop(2))
+            proposals.append([b for b in branches if b])
+        return proposals
+
+    def release(self, seq_id):
+        pass
+
+    def warm_up(self):
+        pass
+
+
+@contextlib.contextmanager
+def proposing(llm, proposer):
+    """``llm``'s speculator proposes with ``proposer`` inside the block."""
+    speculator = llm.engine.speculator
+    own, speculator.proposer = speculator.proposer, proposer
+    try:
+        yield
+    finally:
+        speculator.proposer = own
+
+
+@engine_test
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_greedy_tokens_verifying_several_branches_equal_plain_decoding(kind, tiny_model, llm_factory):
+    """Each branch's rows run on a copy of the sequence's last block; where another branch
+    than the first is accepted, the sequence goes on with that branch's blocks (Mistral: its
+    sliding window sees the branch's own slots)."""
+    plain = llm_factory(tiny_model(kind), block_size=8)
+    tree = llm_factory(tiny_model(kind), block_size=8, speculative_config=TREE)
+    expected = generate(plain, PROMPTS, GREEDY)
+    bm = tree.engine.block_manager
+    adopted = []
+    adopt = bm.adopt_branch
+    bm.adopt_branch = lambda seq, branch: (adopted.append(seq.seq_id), adopt(seq, branch))
+    before = spec_counts(tree)
+    try:
+        with proposing(tree, KnowsTheAnswer({tuple(p): out for p, [out] in zip(PROMPTS, expected)})):
+            assert generate(tree, PROMPTS, GREEDY) == expected
+    finally:
+        del bm.adopt_branch
+    drafted, accepted = (now - then for now, then in zip(spec_counts(tree), before))
+    assert 0 < accepted < drafted
+    assert len(adopted) > len(PROMPTS)  # accepted proposals were often another branch's
+    assert tree.engine.stats()["spec_decode_num_tree_drafts"] > 0
+    # prompt lookup with several branches: the same tokens
+    prompts = [p + p[:6] + p[2:9] for p in PROMPTS]
+    assert generate(tree, prompts, GREEDY) == generate(plain, prompts, GREEDY)
+
+
+@engine_test
+def test_branches_with_sampling_logprobs_and_parallel_samples(tiny_model, llm_factory):
+    """Penalties see each node's own path; logprobs come from the rows of the accepted path;
+    seeded sampling (recursive rejection sampling over the branches) repeats."""
+    plain = llm_factory(tiny_model("llama"), block_size=8)
+    tree = llm_factory(tiny_model("llama"), block_size=8, speculative_config=TREE)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, n=2, logprobs=2,
+                            repetition_penalty=1.2)
+    want = plain.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    answers = KnowsTheAnswer({tuple(p): list(out.outputs[0].token_ids) for p, out in zip(PROMPTS, want)})
+    before = tree.engine.stats()["spec_decode_num_tree_drafts"]
+    with proposing(tree, answers):
+        have = tree.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        for expected, got in zip(want, have):
+            for a, b in zip(expected.outputs, got.outputs):
+                assert b.token_ids == a.token_ids
+                for x, y in zip(a.logprobs, b.logprobs):
+                    assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+        seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=30, ignore_eos=True, seed=5)
+        first = generate(tree, PROMPTS, seeded)
+        assert generate(tree, PROMPTS, seeded) == first
+    assert tree.engine.stats()["spec_decode_num_tree_drafts"] > before
 
 
 @engine_test

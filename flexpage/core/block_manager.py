@@ -412,6 +412,52 @@ class BlockManager:
             for m in self.managers:
                 m.truncate(seq.seq_id, _cdiv(num_positions, self.block_size))
 
+    # -- speculative branches -----------------------------------------------------------
+    def blocks_for_branch(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Pool blocks :meth:`branch` takes for a branch of ``num_new_tokens`` positions."""
+        start = seq.num_computed_tokens
+        return len(self.managers) * (_cdiv(start + num_new_tokens, self.block_size) - start // self.block_size)
+
+    def branch(self, seq: Sequence, branch: Sequence, num_new_tokens: int) -> None:
+        """Give ``branch`` (a fork of ``seq``: same tokens and progress) positions
+        ``num_computed_tokens .. +num_new_tokens`` of its own: it shares ``seq``'s blocks
+        before them, and the block holding the first one is copied if partly computed.
+
+        A branch is a second continuation of ``seq`` verified in the same step (speculative
+        trees): its rows write their K/V into its own slots and read the shared prefix in
+        place, so each row sees the prefix, its branch's earlier tokens and itself -- the tree
+        mask, realised by block tables. :meth:`adopt_branch` keeps it, :meth:`drop_branch`
+        releases it.
+        """
+        if self.fork_rows is not None:
+            raise ValueError("speculative branches need shared blocks; the virtual layout shares none")
+        if self.holds_blocks(branch):
+            raise ValueError(f"branch sequence {branch.seq_id} already holds blocks")
+        if self.blocks_for_branch(seq, num_new_tokens) > self.pool.num_free_or_cached:
+            raise NoFreeBlocksError(f"not enough blocks for a branch of {num_new_tokens} tokens of {seq.seq_id}")
+        start = seq.num_computed_tokens
+        first, needed = start // self.block_size, _cdiv(start + num_new_tokens, self.block_size)
+        # the block holding ``start`` may be a copy this step makes (``seq``'s own copy-on-write):
+        # copy from that copy's source, so that no copy reads another's destination
+        pending = {op.dst: op.src for op in self._ops if isinstance(op, BlockOp) and op.kind is BlockOpKind.COPY}
+        for m in self.managers:
+            m.fork(seq.seq_id, branch.seq_id)
+            m.truncate(branch.seq_id, _cdiv(start, self.block_size))
+            copies = m.append_slots(branch.seq_id, first, needed)
+            self._log(BlockOpKind.COPY, [(pending.get(src, src), dst) for src, dst in copies])
+
+    def adopt_branch(self, seq: Sequence, branch: Sequence) -> None:
+        """Let ``seq`` continue with ``branch``'s blocks (its proposals were the accepted ones):
+        ``seq``'s own slots after the shared prefix go back to the pool, ``branch`` holds none."""
+        for m in self.managers:
+            m.adopt(seq.seq_id, branch.seq_id)
+
+    def drop_branch(self, branch: Sequence) -> None:
+        """Release a branch's blocks (idempotent): its proposals were rejected, or its
+        sequence ended in the step that verified them."""
+        for m in self.managers:
+            m.free(branch.seq_id)
+
     # -- sharing and release -----------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` (e.g. from :meth:`Sequence.fork`: same tokens and progress) share all

@@ -137,6 +137,15 @@ class GroupManager:
                 self.pool.incref(block_id)
         self.tables[child_id] = list(table)
 
+    def adopt(self, seq_id: int, other_id: int) -> None:
+        """Give ``seq_id`` the table of ``other_id`` (which no longer has one), releasing the
+        blocks of its own that the adopted table does not share, tail first."""
+        own = self.tables[seq_id]
+        self.tables[seq_id] = self.tables.pop(other_id)
+        for block_id in reversed(own):
+            if block_id != NULL_BLOCK_ID:
+                self.pool.decref(block_id)
+
     def swap_in(self, seq_id: int, host_table: list[int], num_computed_tokens: int, evicted: Collection[int],
                 keys: Sequence[BlockHash], publish: Callable[[int, BlockHash, int], None]) -> list[tuple[int, int]]:
         """Rebuild ``seq_id``'s table from its live host slots: leading skipped entries and

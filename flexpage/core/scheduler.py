@@ -34,6 +34,7 @@ next step's plan.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -89,6 +90,10 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self._seqs: dict[int, Sequence] = {}
         self.num_preemptions = 0
+        #: per sequence verifying a tree this step, its branches (forks living for one step,
+        #: with negative ids that never meet a request's)
+        self._branches: dict[int, list[Sequence]] = {}
+        self._branch_ids = itertools.count(-1, -1)
         self.watermark_blocks = int(config.watermark * block_manager.num_usable_blocks)
 
     # -- queue management ------------------------------------------------------
@@ -217,26 +222,53 @@ class Scheduler:
         are appended to ``seq``: their KV, computed this step, counts as computed (full blocks
         enter the prefix cache only now, with the accepted tokens' hashes); the slots of the
         rejected ones are rewritten by later steps, and blocks that hold only rejected
-        positions go back to the pool."""
+        positions go back to the pool. Where the accepted tokens are another branch's
+        proposals, ``seq`` continues on that branch's blocks (their KV is at the right slots
+        already); every other branch is released."""
+        branches = self._branches.pop(seq.seq_id, [])
         if seq.status is SequenceStatus.RUNNING:
+            bm = self.block_manager
             if num_accepted:
-                seq.num_computed_tokens = self.block_manager.mark_computed(seq, num_accepted)
-            self.block_manager.truncate(seq, seq.num_tokens)
+                first = seq.num_computed_tokens  # the root's KV counted already: the proposals follow it
+                accepted = seq.token_ids[first : first + num_accepted]
+                if seq.draft_token_ids[:num_accepted] != accepted:
+                    chosen = next(b for b in branches if b.draft_token_ids[:num_accepted] == accepted)
+                    bm.adopt_branch(seq, chosen)
+                seq.num_computed_tokens = bm.mark_computed(seq, num_accepted)
+            bm.truncate(seq, seq.num_tokens)
+        for branch in branches:
+            self.block_manager.drop_branch(branch)
         seq.draft_token_ids = []
+        seq.draft_branches = []
 
-    def _drafts_that_fit(self, seq: Sequence, budget: int) -> tuple[int, ...]:
-        """The proposed tokens of a decoding ``seq`` this step verifies: all of them if the
-        token budget allows and the blocks they add leave one free block per running sequence,
-        else none: a proposal never preempts anything, now or in this step's later decodes."""
-        drafts = seq.draft_token_ids
+    def release_branches(self) -> None:
+        """Release the branches no verification accepted or dropped (their sequence ended or
+        failed in the step): called at the end of every step."""
+        for branches in self._branches.values():
+            for branch in branches:
+                self.block_manager.drop_branch(branch)
+        self._branches.clear()
+
+    def _drafts_that_fit(self, seq: Sequence, budget: int) -> tuple[tuple[int, ...], list[list[int]]]:
+        """The proposed tokens of a decoding ``seq`` this step verifies, and its other branches:
+        all of them if the token budget allows and the blocks they add leave one free block per
+        running sequence; else the first branch alone if that fits, else none: a proposal never
+        preempts anything, now or in this step's later decodes."""
+        drafts, branches = seq.draft_token_ids, seq.draft_branches
         if not drafts:
-            return ()
+            return (), []
         bm = self.block_manager
+        spare = bm.pool.num_free_or_cached - len(self.running)
         extra = bm.blocks_to_append(seq, 1 + len(drafts)) - bm.blocks_to_append(seq, 1)
-        if len(drafts) > budget or (extra and bm.pool.num_free_or_cached - extra < len(self.running)):
-            seq.draft_token_ids = []
-            return ()
-        return tuple(drafts)
+        if branches:
+            rows = sum(1 + len(b) for b in branches)
+            blocks = sum(bm.blocks_for_branch(seq, 1 + len(b)) for b in branches)
+            if len(drafts) + rows > budget or (extra + blocks and spare < extra + blocks):
+                branches = seq.draft_branches = []
+        if len(drafts) > budget or (extra and spare < extra):
+            seq.draft_token_ids, seq.draft_branches = [], []
+            return (), []
+        return tuple(drafts), branches
 
     # -- the step ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -256,14 +288,23 @@ class Scheduler:
         scheduled: set[int] = set()
         in_flight: set[bytes] = set()  # hashes of full blocks this step computes
 
-        def take(seq: Sequence, n: int, drafts: tuple[int, ...] = ()) -> None:
+        def take(seq: Sequence, n: int, proposals: tuple[tuple[int, ...], list[list[int]]] = ((), [])) -> None:
             nonlocal budget
+            drafts, branches = proposals
             bm.append_slots(seq, n + len(drafts))
             in_flight.update(bm.hashes_filled_by(seq, n))
             start = seq.num_computed_tokens
-            out.scheduled.append(ScheduledSequence(seq, n + len(drafts), start, start + n == seq.num_tokens, drafts))
+            item = ScheduledSequence(seq, n + len(drafts), start, start + n == seq.num_tokens, drafts)
+            for branch_drafts in branches:
+                branch = seq.fork(next(self._branch_ids))
+                branch.draft_token_ids = list(branch_drafts)
+                bm.branch(seq, branch, 1 + len(branch_drafts))
+                self._branches.setdefault(seq.seq_id, []).append(branch)
+                item.branches.append(ScheduledSequence(branch, 1 + len(branch_drafts), start, True,
+                                                       tuple(branch_drafts)))
+            out.scheduled.append(item)
             scheduled.add(id(seq))
-            budget -= n + len(drafts)
+            budget -= item.num_rows
 
         def chunk(seq: Sequence) -> int:
             remaining = bm.computable_tokens(seq)
@@ -396,9 +437,12 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         seq.draft_token_ids = []  # proposed after tokens it may recompute: the next proposal is made afresh
+        seq.draft_branches = []
         self.num_preemptions += 1
         out.preempted.append(seq)
         bm = self.block_manager
+        for branch in self._branches.pop(seq.seq_id, []):
+            bm.drop_branch(branch)
         if self.config.preemption_mode == "swap" and bm.can_swap_out(seq):
             bm.swap_out(seq)
             seq.status = SequenceStatus.SWAPPED

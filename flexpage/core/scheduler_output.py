@@ -12,7 +12,9 @@ For each :class:`ScheduledSequence` the runner computes KV for token positions
 attending to all positions ``< start + num_new_tokens``; and, if ``sample`` is
 True, samples the next token from the last position's logits. A decode slice that verifies
 proposed tokens (speculative decoding) runs ``drafts`` after the sequence's last token, as
-positions ``start + 1 ..``, and every one of its rows' logits is sampled.
+positions ``start + 1 ..``, and every one of its rows' logits is sampled; its ``branches``
+(other proposals of the same sequence, verified with it as a tree) run the same way on
+blocks of their own.
 """
 
 from __future__ import annotations
@@ -40,6 +42,21 @@ class ScheduledSequence:
     #: proposed tokens after the sequence's last token, verified this step (counted in
     #: ``num_new_tokens``; their KV is rolled back where they are rejected)
     drafts: tuple[int, ...] = ()
+    #: further proposals verified beside ``drafts`` as one tree: each a fork of ``seq`` whose
+    #: slice (``start``, ``num_new_tokens``, ``drafts``) is its branch, run on its own blocks
+    #: (:meth:`BlockManager.branch`) right after this slice's rows
+    branches: list[ScheduledSequence] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the forward pass this slice runs, its branches' included."""
+        return self.num_new_tokens + sum(branch.num_new_tokens for branch in self.branches)
+
+    @property
+    def num_logits_rows(self) -> int:
+        """Logits rows a sampling slice produces: its last token's, one per proposal, and its
+        branches' (each: its root's and one per proposal)."""
+        return 1 + len(self.drafts) + sum(branch.num_new_tokens for branch in self.branches)
 
     @property
     def token_ids(self) -> list[int]:
@@ -121,7 +138,7 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_rows for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -140,9 +157,10 @@ def step_inputs(scheduled: Iterable[ScheduledSequence],
     step of as many rows does, not a prefill chunk's gathered keys (SmolLM2's forward, one
     sequence: 11.5 ms for a decode step, 14.3 ms with a 2-token chunk, 11.6 ms as 2 decode rows).
     The rows' K/V are all written before attention reads them, layer by layer, as for any step.
+    A slice's branches follow it, each as decode rows over its own block table.
     """
     inputs = StepInputs([], [], [], [], [])
-    for item in scheduled:
+    for item in (piece for whole in scheduled for piece in (whole, *whole.branches)):
         seq = item.seq
         inputs.token_ids.extend(item.token_ids)
         tables = block_tables(seq)

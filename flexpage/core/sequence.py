@@ -84,6 +84,7 @@ class Sequence:
         "cache_salt",
         "conversation",
         "draft_token_ids",
+        "draft_branches",
         "beam_group",
     )
 
@@ -132,6 +133,9 @@ class Sequence:
         #: speculative decoding: tokens proposed to follow ``token_ids``, verified in the next
         #: decode step (never part of ``token_ids``, the prefix cache or the output until accepted)
         self.draft_token_ids: list[int] = []
+        #: further proposals beside ``draft_token_ids`` (each one continuation after the last
+        #: token), verified with it as one tree (``max_branches > 1``)
+        self.draft_branches: list[list[int]] = []
         #: beam search: the id its request's beams share (None: not a beam); the scheduler
         #: preempts, swaps in and admits a group's sequences together
         self.beam_group: int | None = None

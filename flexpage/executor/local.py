@@ -24,7 +24,7 @@ from flexpage.model.kv_tier_storage import TierStorage
 from flexpage.model.runner import ModelRunner
 from flexpage.model.sampler import TokenLogprobs, sample, token_logprobs
 from flexpage.model.tensor_parallel import RankFailure
-from flexpage.speculative.verify import verify_chains
+from flexpage.speculative.verify import verify_branches, verify_chains
 from flexpage.structured.bitmask import apply_bitmask
 
 __all__ = ["LocalExecutor"]
@@ -92,7 +92,7 @@ class LocalExecutor:
         own parameters break sampling fail. Rows under a grammar sample only the tokens their
         bitmask allows; rows with proposed tokens verify them."""
         rows = plan.samples
-        counts = [1 + len(row.drafts) for row in rows]
+        counts = [row.num_rows for row in rows]
         firsts = list(accumulate(counts, initial=0))
         wanted = [row.logits_row + j for row, n in zip(rows, counts) for j in range(n)]
         if wanted != list(range(logits.shape[0])):
@@ -117,16 +117,18 @@ class LocalExecutor:
         """Per row, its tokens and their logprobs: one each from the sampler, or, for a row
         with proposals (``logits`` holds its rows one after another), the accepted proposals
         and one more. Rows without proposals draw from the sampler alone, as in a step where
-        nothing verifies: a seeded request's tokens do not depend on its neighbours' proposals."""
-        firsts = list(accumulate((1 + len(row.drafts) for row in rows), initial=0))
+        nothing verifies: a seeded request's tokens do not depend on its neighbours' proposals.
+        A row with several branches verifies them as one tree."""
+        firsts = list(accumulate((row.num_rows for row in rows), initial=0))
         plain = [i for i, row in enumerate(rows) if not row.drafts]
-        drafted = [i for i, row in enumerate(rows) if row.drafts]
+        drafted = [i for i, row in enumerate(rows) if row.drafts and not row.branches]
+        trees = [i for i, row in enumerate(rows) if row.branches]
         picks: list = [None] * len(rows)
         if plain:
             sub = [rows[i] for i in plain]
-            out = sample(logits[[firsts[i] for i in plain]] if drafted else logits, [r.params for r in sub],
-                         [r.history for r in sub], [r.generator for r in sub], self.eos_token_id,
-                         generator=self._generator)
+            own = logits[[firsts[i] for i in plain]] if len(plain) < len(rows) else logits
+            out = sample(own, [r.params for r in sub], [r.history for r in sub], [r.generator for r in sub],
+                         self.eos_token_id, generator=self._generator)
             for i, token, lp in zip(plain, out.token_ids.tolist(), out.logprobs or [None] * len(sub)):
                 picks[i] = ([token], [lp])
         if drafted:
@@ -136,6 +138,10 @@ class LocalExecutor:
                                      [r.generator for r in sub], self.eos_token_id, generator=self._generator)
             for i, pick in zip(drafted, verified):
                 picks[i] = pick
+        for i in trees:
+            row = rows[i]
+            picks[i] = verify_branches(logits[firsts[i] : firsts[i + 1]], [row.drafts, *row.branches], row.params,
+                                       row.history, row.generator, self.eos_token_id, shared=self._generator)
         return picks
 
     def check_health(self) -> None:

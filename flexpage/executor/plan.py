@@ -41,13 +41,21 @@ class SampleRow:
     """One token to sample from logits row ``logits_row`` (an index into ``inputs.sample_rows``)
     -- or, with ``drafts``, proposed tokens to verify: rows ``logits_row .. + len(drafts)`` score
     the token after the last one and after each proposal, and the row accepts a prefix of the
-    proposals plus one token (:mod:`flexpage.speculative.verify`)."""
+    proposals plus one token (:mod:`flexpage.speculative.verify`). With ``branches``, each
+    further proposal's rows follow in the same way (``1 + len(branch)`` each) and the row
+    accepts a path of the tree they make together."""
 
     logits_row: int
     params: SamplingParams
     history: TokenHistory
     generator: torch.Generator | None  # the sample's own (seeded requests); None: the executor's
     drafts: tuple[int, ...] = ()
+    branches: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def num_rows(self) -> int:
+        """Logits rows this sample reads."""
+        return 1 + len(self.drafts) + sum(1 + len(branch) for branch in self.branches)
 
 
 @dataclass(slots=True)

@@ -72,6 +72,8 @@ _COUNTERS = {
     "flexpage_spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Proposed tokens accepted."),
     "flexpage_spec_decode_num_drafts": ("spec_decode_num_drafts", "Verifications: sequences' steps that checked "
                                                                   "proposed tokens."),
+    "flexpage_spec_decode_num_tree_drafts": ("spec_decode_num_tree_drafts", "Of those, verifications of several "
+                                                                            "branches at once (max_branches > 1)."),
     "flexpage_conversation_turns": ("conversation_turns", "Finished turns of requests that named a conversation."),
     "flexpage_conversation_history_tokens": ("conversation_history_tokens", "Tokens of earlier turns that later "
                                                                             "turns carried in their prompts."),

@@ -148,7 +148,11 @@ class NgramProposer:
 
     def propose_chains(self, wanted: Sequence[tuple[int, Sequence[int], int]]) -> list[list[int]]:
         """Per ``(seq_id, token_ids, k)``, the best continuation's tokens (empty: no match)."""
-        return [list(self.propose(seq_id, token_ids, k=k).proposals) for seq_id, token_ids, k in wanted]
+        return [branches[0] if branches else [] for branches in self.propose_branches(wanted)]
+
+    def propose_branches(self, wanted: Sequence[tuple[int, Sequence[int], int]]) -> list[list[list[int]]]:
+        """Per ``(seq_id, token_ids, k)``, the distinct continuations, best first (empty: no match)."""
+        return [self.propose(seq_id, token_ids, k=k).branches() for seq_id, token_ids, k in wanted]
 
     def warm_up(self) -> None:
         """Nothing to build: prompt lookup runs no model."""

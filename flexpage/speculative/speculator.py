@@ -59,6 +59,11 @@ class Proposer(Protocol):
         """Per ``(seq_id, token_ids, k)``, at most ``k`` tokens that may follow ``token_ids``."""
         ...
 
+    def propose_branches(self, wanted: Seq[tuple[int, Seq[int], int]]) -> list[list[list[int]]]:
+        """Per ``(seq_id, token_ids, k)``, up to ``max_branches`` distinct continuations of at
+        most ``k`` tokens each, best first (prompt lookup only: a draft model proposes chains)."""
+        ...
+
     def release(self, seq_id: int) -> None:
         """Forget a sequence that left the running batch."""
         ...
@@ -83,6 +88,8 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verifications = 0
+        #: verifications of several branches at once (``max_branches > 1``)
+        self.num_tree_verifications = 0
 
     def propose(self, running: Iterable[Sequence]) -> None:
         """Set ``draft_token_ids`` of every running sequence (empty where nothing is proposed)."""
@@ -93,17 +100,22 @@ class Speculator:
             del self._state[seq_id]
             self.proposer.release(seq_id)
         for seq in running:
-            seq.draft_token_ids = []
+            seq.draft_token_ids, seq.draft_branches = [], []
         if len(decoding) > self.config.disable_by_batch_size:
             return
         wanted = [(seq, k) for seq in decoding if (k := self._k(seq))]
+        asked = [(seq.seq_id, seq.token_ids, k) for seq, k in wanted]
         try:
-            chains = self.proposer.propose_chains([(seq.seq_id, seq.token_ids, k) for seq, k in wanted])
+            if self.config.max_branches > 1:
+                proposals = self.proposer.propose_branches(asked)
+            else:
+                proposals = [[chain] for chain in self.proposer.propose_chains(asked)]
         except Exception:  # a draft model's forward failed: this step decodes without proposals
             _log.exception("speculative decoding: the proposer failed; this step proposes nothing")
             return
-        for (seq, _), chain in zip(wanted, chains):
-            seq.draft_token_ids = chain
+        for (seq, _), branches in zip(wanted, proposals):
+            if branches and branches[0]:
+                seq.draft_token_ids, seq.draft_branches = branches[0], branches[1:]
 
     def _k(self, seq: Sequence) -> int:
         """How many tokens ``seq`` may propose this step (0: none)."""
@@ -123,12 +135,16 @@ class Speculator:
             room = min(room, seq.max_tokens - seq.num_output_tokens - 1)
         return max(0, min(state.k, wanted, room))
 
-    def verified(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        """Record one verification of ``seq``'s ``num_drafts`` proposals (here and in its
-        request's ``speculation`` counts) and adapt its k."""
+    def verified(self, seq: Sequence, num_drafts: int, num_accepted: int, *, whole: bool | None = None,
+                 tree: bool = False) -> None:
+        """Record one verification of ``seq``'s ``num_drafts`` proposed tokens (here and in its
+        request's ``speculation`` counts) and adapt its k. ``whole``: the accepted tokens were
+        one whole branch (default: all ``num_drafts`` were accepted, as for a chain); ``tree``:
+        several branches were verified."""
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
         self.num_verifications += 1
+        self.num_tree_verifications += tree
         counts = getattr(seq.request, "speculation", None)
         if counts is not None:
             counts.draft_tokens += num_drafts
@@ -137,7 +153,7 @@ class Speculator:
         state = self._state.get(seq.seq_id)
         if state is None:
             return
-        if num_accepted == num_drafts:
+        if num_accepted == num_drafts if whole is None else whole:
             state.k = self.config.num_speculative_tokens
         else:
             state.k = max(1, num_accepted + 1)

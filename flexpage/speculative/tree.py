@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["DraftTree", "mask_tables"]
+__all__ = ["DraftTree", "count_proposals", "mask_tables"]
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,14 @@ class DraftTree:
                 node = self.parents[node]
             paths.append(path[::-1])
         return paths
+
+
+def count_proposals(branches: Sequence[Sequence[int]]) -> int:
+    """The distinct proposed tokens of continuations of one sequence (a prefix several share
+    counts once): the nodes of their tree, root excluded."""
+    if len(branches) <= 1:
+        return len(branches[0]) if branches else 0
+    return DraftTree.from_branches(0, branches).num_nodes - 1
 
 
 def mask_tables(trees: Sequence[DraftTree | None], max_nodes: int) -> tuple[np.ndarray, np.ndarray]:

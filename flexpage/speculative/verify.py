@@ -9,6 +9,11 @@ tokens as one-at-a-time greedy decoding); sampled rows use speculative sampling 
 proposals as point masses (:func:`~flexpage.speculative.rejection.rejection_sample_chain`:
 every token distributed as the target's). Logprobs, where asked for, are those of the raw
 logits row each emitted token came from, as :func:`~flexpage.model.sampler.sample` reports them.
+
+A sequence that proposed several continuations (branches) is verified as one tree
+(:func:`verify_branches`): each branch's rows come one after another, a node several
+branches share is scored by the first one's row, and the tree verifiers of
+:mod:`~flexpage.speculative.rejection` walk it.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ from torch import Tensor
 from flexpage.model.sampler import (TokenHistory, TokenLogprobs, apply_min_tokens, apply_penalties, gather_logprobs,
                                     row_argmax, sampling_probs)
 from flexpage.sampling_params import SamplingParams
-from flexpage.speculative.rejection import greedy_chain, rejection_sample_chain
+from flexpage.speculative.rejection import greedy_chain, rejection_sample_chain, verify_tree, verify_tree_greedy
+from flexpage.speculative.tree import DraftTree
 
-__all__ = ["verify_chains"]
+__all__ = ["verify_branches", "verify_chains"]
 
 
 def verify_chains(
@@ -87,3 +93,65 @@ def verify_chains(
             logprobs = gather_logprobs(logits[rows], torch.tensor(tokens), [params[b]] * len(tokens))
         results.append((tokens, logprobs))
     return results
+
+
+def verify_branches(
+    logits: Tensor,
+    branches: Sequence[Sequence[int]],
+    params: SamplingParams,
+    history: TokenHistory,
+    generator: torch.Generator | None,
+    eos_token_id: int | None = None,
+    *,
+    shared: torch.Generator | None = None,
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Verify one sequence's continuations of its last token as one tree.
+
+    Args:
+        logits: ``[sum(len(b) + 1 for b in branches), V]``: each branch's rows in turn (after
+            the last token, then after each of the branch's tokens).
+        branches: the proposed continuations, best first (verification tries them in order).
+        params, history, generator: the sequence's, as for :func:`verify_chains`.
+        shared: the generator used when ``generator`` is None.
+
+    Returns:
+        the tokens to append (an accepted path, then the target's token after it) and each
+        one's logprobs (None where the request asked for none).
+    """
+    counts = [len(b) + 1 for b in branches]
+    if logits.shape[0] != sum(counts):
+        raise ValueError(f"logits: {logits.shape[0]} rows, expected {sum(counts)} (one per proposal, plus one, "
+                         f"per branch)")
+    tree = DraftTree.from_branches(0, branches)
+    rows, paths = _node_rows(tree, branches)
+    n = tree.num_nodes
+    x = logits[rows]
+    histories = [TokenHistory(history.prompt_ids, [*history.output_ids, *path]) for path in paths]
+    x = apply_penalties(x, [params] * n, histories)
+    x = apply_min_tokens(x, [params] * n, histories, eos_token_id)
+    if params.is_greedy:
+        verified = verify_tree_greedy(tree, row_argmax(x))
+    else:
+        verified = verify_tree(tree, sampling_probs(x, [params] * n), generator=generator or shared)
+    tokens = verified.token_ids
+    logprobs: list[TokenLogprobs | None] = [None] * len(tokens)
+    if params.logprobs is not None:
+        scoring = [rows[node] for node in verified.scoring_nodes]
+        logprobs = gather_logprobs(logits[scoring], torch.tensor(tokens), [params] * len(tokens))
+    return tokens, logprobs
+
+
+def _node_rows(tree: DraftTree, branches: Sequence[Sequence[int]]) -> tuple[list[int], list[list[int]]]:
+    """Per node of ``tree`` (made from ``branches``), the first logits row that scores the
+    token after it, and its path of tokens from the root."""
+    kids = tree.child_lists()
+    rows, paths = [0] + [-1] * (tree.num_nodes - 1), [[] for _ in range(tree.num_nodes)]
+    offset = 0
+    for branch in branches:
+        node = 0
+        for j, token in enumerate(branch, start=1):
+            node = next(c for c in kids[node] if tree.tokens[c] == token)
+            if rows[node] < 0:
+                rows[node], paths[node] = offset + j, list(branch[:j])
+        offset += len(branch) + 1
+    return rows, paths
