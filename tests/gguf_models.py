@@ -22,15 +22,27 @@ PROJECTIONS = (("attn_q", HEADS * HEAD_DIM, HIDDEN), ("attn_k", KV_HEADS * HEAD_
 
 def random_blocks(rng: np.random.Generator, kind: str, rows: int, features: int, scale: float = 0.08) -> np.ndarray:
     """``[rows, features / 32 * bytes per block]`` uint8 GGUF blocks of weights of about ``scale``
-    centred on zero: Q4_1 (fp16 ``d`` around ``scale / 8``, ``m = -8 d``, random 4-bit codes) or
-    Q8_0 (fp16 ``d`` around ``scale / 127``, random signed bytes)."""
-    width = {"Q4_1": 20, "Q8_0": 34}[kind]
+    centred on zero: Q4_1 (fp16 ``d`` around ``scale / 8``, ``m = -8 d``, random 4-bit codes),
+    Q4_0 (the same ``d``, no ``m``: GGUF centres its codes on 8), Q8_0 (fp16 ``d`` around
+    ``scale / 127``, random signed bytes) or Q6_K (``features`` a multiple of 256)."""
+    if kind == "Q6_K":
+        return _random_q6_k(rng, rows, features, scale)
+    width = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
     blocks = rng.integers(0, 256, (rows, features // 32, width), dtype=np.uint8)
-    levels = 8 if kind == "Q4_1" else 127
+    levels = 127 if kind == "Q8_0" else 8
     d = (rng.uniform(0.5, 1.5, (rows, features // 32)) * scale / levels).astype(np.float16)
     blocks[..., 0:2] = d[..., None].view(np.uint8)
     if kind == "Q4_1":
         blocks[..., 2:4] = (-8 * d)[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def _random_q6_k(rng: np.random.Generator, rows: int, features: int, scale: float) -> np.ndarray:
+    """Q6_K super-blocks of 256 weights (random codes and int8 scales, fp16 ``d`` so that the
+    weights are about ``scale``)."""
+    blocks = rng.integers(0, 256, (rows, features // 256, 210), dtype=np.uint8)
+    d = (rng.uniform(0.5, 1.5, (rows, features // 256)) * scale / 32 / 64).astype(np.float16)
+    blocks[..., 208:210] = d[..., None].view(np.uint8)
     return blocks.reshape(rows, -1)
 
 

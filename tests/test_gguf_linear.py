@@ -1,11 +1,11 @@
-"""Weights that run from a GGUF's Q4_1 and Q8_0 blocks (:mod:`flexpage.model.gguf_linear`).
+"""Weights that run from a GGUF's Q4_0, Q4_1 and Q8_0 blocks (:mod:`flexpage.model.gguf_linear`).
 
 * The blocks expand to the weights GGUF's own dequantisation gives, and the kernel computes
   ``x @ W.T + bias`` with them to float32 rounding (against float64), for any row count.
 * A projection given blocks keeps the blocks only (no float32 weight) and computes from them;
   an embedding kept as blocks gives exactly its table's rows. bf16 rows computed from the
   blocks see exactly the bf16 model's weights (on the bf16 panels) and match float64 to bf16
-  rounding. Where the blocks do not serve every row count in bf16, a bf16 projection packed
+  rounding. A Q4_0 block is read as the Q4_1 block with ``m = -8 d``: the same weights. Where the blocks do not serve every row count in bf16, a bf16 projection packed
   for oneDNN keeps both and computes up to ``MAX_BLOCK_ROWS`` rows from the blocks, more from
   the packed weight: eagerly and in a compiled graph, the same bits.
 * The tensor table is read as ``gguf.GGUFReader`` reads it (without its metadata values).
@@ -34,7 +34,7 @@ from gguf_models import LAYERS, random_blocks, write_tiny_gguf
 pytestmark = pytest.mark.skipif(not gguf_linear.available(),
                                 reason="the block kernel needs an x86 CPU with AVX2/FMA/F16C and a C++ compiler")
 
-KINDS = ("Q4_1", "Q8_0")
+KINDS = ("Q4_0", "Q4_1", "Q8_0")
 PROMPTS = random_prompts((5, 17, 33, 60), seed=5)
 NEW_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
@@ -44,13 +44,14 @@ def _blocks(kind: str, rows: int, features: int, seed: int = 0) -> torch.Tensor:
     return torch.from_numpy(random_blocks(np.random.default_rng(seed), kind, rows, features))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", (*KINDS, "Q6_K"))
 def test_blocks_expand_to_ggufs_own_dequantisation(kind):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    raw = _blocks(kind, 24, 96)
-    expected = dequantize(raw.numpy(), GGMLQuantizationType[kind]).reshape(24, 96)
+    features = 512 if kind == "Q6_K" else 96  # Q6_K: super-blocks of 256
+    raw = _blocks(kind, 24, features)
+    expected = dequantize(raw.numpy(), GGMLQuantizationType[kind]).reshape(24, features)
     assert torch.equal(gguf_linear.expand(kind, raw), torch.from_numpy(expected))
 
 
@@ -63,6 +64,28 @@ def test_repacked_blocks_keep_codes_and_widen_scales_exactly(kind):
     assert torch.equal(packed[..., 4 * scales:], gguf[..., 2 * scales:])
     assert torch.equal(packed[..., :4 * scales].contiguous().view(torch.float32),
                        gguf[..., :2 * scales].contiguous().view(torch.float16).float())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 40])
+def test_q6_k_super_blocks_run_as_blocks_with_a_scale_per_16_weights(rows):
+    """Q6_K (llama.cpp's default for a Q4_0 model's tied embedding and LM head) is read as
+    ``Q8_16`` blocks: the same weights (float32 and bf16), float32 rows to float64 and bf16
+    rows to the bf16 weights, on every path (16-wide rows, AMX tiles or bf16 panels)."""
+    raw = _blocks("Q6_K", 64, 512, seed=rows)
+    blocks, weight = gguf_linear.repack("Q6_K", raw), gguf_linear.expand("Q6_K", raw)
+    assert blocks.shape == (64, 512 // 32 * gguf_linear.BLOCK_BYTES["Q8_16"])
+    assert torch.ops.flexpage.blocks_match(blocks, weight)
+    assert torch.ops.flexpage.blocks_match(blocks, weight.bfloat16())
+    moved = weight.clone()
+    moved.view(torch.int32)[7, 300] += 1
+    assert not torch.ops.flexpage.blocks_match(blocks, moved)
+    x = torch.randn(rows, 512)
+    torch.testing.assert_close(gguf_linear.block_linear(x, blocks).double(), x.double() @ weight.double().T,
+                               rtol=1e-5, atol=1e-5)
+    bf16 = x.bfloat16()
+    expected = (bf16.double() @ weight.bfloat16().double().T).to(torch.bfloat16)
+    torch.testing.assert_close(gguf_linear.block_linear(bf16, blocks), expected, rtol=1.6e-2, atol=1e-2)
+    assert torch.equal(gguf_linear.embedding(torch.tensor([0, 9, 63]), blocks, 512), weight[[0, 9, 63]])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -208,11 +231,11 @@ def test_bad_inputs_are_refused_naming_what_is_wrong():
     blocks = gguf_linear.repack("Q4_1", _blocks("Q4_1", 8, 64))
     with pytest.raises(RuntimeError, match="x must be float32 or bfloat16, got Double"):
         gguf_linear.block_linear(torch.randn(2, 64, dtype=torch.float64), blocks)
-    with pytest.raises(RuntimeError, match=r"x has 96 features; blocks of 48 bytes per row hold 64 \(Q4_1\)"):
+    with pytest.raises(RuntimeError, match=r"x has 96 features .* 72 \(Q4_1\).* bytes per row; got 48"):
         gguf_linear.block_linear(torch.randn(2, 96), blocks)
     with pytest.raises(RuntimeError, match="blocks must be a contiguous uint8"):
         gguf_linear.block_linear(torch.randn(2, 64), blocks.float())
-    with pytest.raises(ValueError, match=r"30 bytes per 32 weights, neither Q4_1 \(24\) nor Q8_0 \(36\)"):
+    with pytest.raises(ValueError, match=r"30 bytes per 32 weights, none of the kernel's formats .*'Q4_1': 24"):
         gguf_linear.embedding(torch.tensor([0]), torch.zeros(4, 60, dtype=torch.uint8), 64)
 
 

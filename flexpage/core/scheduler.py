@@ -263,7 +263,7 @@ class Scheduler:
         if branches:
             rows = sum(1 + len(b) for b in branches)
             blocks = sum(bm.blocks_for_branch(seq, 1 + len(b)) for b in branches)
-            if len(drafts) + rows > budget or (extra + blocks and spare < extra + blocks):
+            if len(drafts) + rows > budget or spare < extra + blocks:  # a branch takes a block at least
                 branches = seq.draft_branches = []
         if len(drafts) > budget or (extra and spare < extra):
             seq.draft_token_ids, seq.draft_branches = [], []

@@ -1,4 +1,4 @@
-"""Projections that read a GGUF's quantised blocks (Q4_1, Q8_0) instead of float32 weights.
+"""Projections that read a GGUF's quantised blocks (Q4_0, Q4_1, Q8_0, Q6_K) instead of float32 weights.
 
 Why: a batch-1 decode step streams every weight from memory once. The default model's GGUF
 stores its projections as Q4_1 (32 weights in 20 bytes) and its embedding, which is also its
@@ -55,9 +55,18 @@ __all__ = ["MAX_BLOCK_ROWS", "available", "block_linear", "blocks_at_every_row",
            "repack"]
 
 #: bytes of one GGUF block of 32 weights: fp16 scale d [, fp16 offset m], then the codes
-GGUF_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
-#: bytes of one block as the kernel reads it: the scales as float32, then the same codes
-BLOCK_BYTES = {"Q4_1": 24, "Q8_0": 36}
+GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+#: GGUF's Q6_K: 256 weights in 210 bytes (4-bit low codes, 2-bit high codes, 16 int8 scales sc,
+#: fp16 d); weight = (d * sc[i // 16]) * (q - 32)
+Q6_K_BYTES = 210
+#: the format the kernel reads each GGUF kind as; Q6_K becomes ``Q8_16``: per 32 weights the two
+#: 16-weight scales ``d * sc`` (exact in float32) and the 32 codes ``q - 32`` as signed bytes
+KERNEL_KIND = {"Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q8_0": "Q8_0", "Q6_K": "Q8_16"}
+#: bytes per 32 weights as the kernel reads them: the scales as float32 (Q4_0's ``m = -8 d`` is
+#: computed, not stored), then the codes
+BLOCK_BYTES = {"Q4_0": 20, "Q4_1": 24, "Q8_0": 36, "Q8_16": 40}
+#: float32 scales per 32 weights in each kernel format
+_SCALES = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 1, "Q8_16": 2}
 #: where a bf16 model keeps its packed weights too (AMX CPUs), its projections read their blocks
 #: up to this many rows, oneDNN's packed bf16 beyond (:func:`block_or_packed_linear`): up to 4
 #: rows the blocks' 16-wide float32 path took 0.41-0.56x packed bf16's time on the Zen 5.
@@ -128,44 +137,67 @@ def embedding(token_ids: Tensor, blocks: Tensor, features: int) -> Tensor:
     kind = next((k for k, width in BLOCK_BYTES.items() if width == rows.shape[-1]), None)
     if kind is None:
         raise ValueError(f"embedding: blocks of {blocks.shape[1]} bytes per row for {features} features are "
-                         f"{rows.shape[-1]} bytes per 32 weights, neither Q4_1 ({BLOCK_BYTES['Q4_1']}) "
-                         f"nor Q8_0 ({BLOCK_BYTES['Q8_0']})")
-    scale_bytes = 8 if kind == "Q4_1" else 4  # float32 d (and m)
+                         f"{rows.shape[-1]} bytes per 32 weights, none of the kernel's formats ({BLOCK_BYTES})")
+    scale_bytes = 4 * _SCALES[kind]
     scales = rows[..., :scale_bytes].contiguous().view(torch.float32)
     return _dequantise(kind, scales, rows[..., scale_bytes:]).reshape(-1, features)
 
 
 def expand(kind: str, blocks: Tensor) -> Tensor:
-    """The float32 weights ``[out, in]`` of GGUF ``blocks`` ``[out, in / 32 * GGUF_BLOCK_BYTES[kind]]``
-    (uint8) as GGUF dequantises them: Q4_1 ``d * q + m`` (low nibbles first), Q8_0 ``d * q``."""
-    rows = blocks.shape[0]
-    b = blocks.view(rows, -1, GGUF_BLOCK_BYTES[kind])
+    """The float32 weights ``[out, in]`` of GGUF ``blocks`` (uint8, ``[out, bytes per row]``) as
+    GGUF dequantises them: Q4_0 ``d * (q - 8)``, Q4_1 ``d * q + m`` (low nibbles first), Q8_0
+    ``d * q``, Q6_K ``(d * sc) * (q - 32)``."""
+    scales, codes = _split(kind, blocks)
+    return _dequantise(KERNEL_KIND[kind], scales, codes).reshape(blocks.shape[0], -1)
+
+
+def _split(kind: str, blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """GGUF ``blocks`` in the kernel's format (:data:`KERNEL_KIND`): float32 scales
+    ``[out, in / 32, 1 or 2]`` and code bytes ``[out, in / 32, 16 or 32]``."""
+    if kind == "Q6_K":
+        return _split_q6_k(blocks)
+    b = blocks.view(blocks.shape[0], -1, GGUF_BLOCK_BYTES[kind])
     scale_bytes = 4 if kind == "Q4_1" else 2  # float16 d (and m)
-    scales = b[..., :scale_bytes].contiguous().view(torch.float16).float()
-    return _dequantise(kind, scales, b[..., scale_bytes:]).reshape(rows, -1)
+    return b[..., :scale_bytes].contiguous().view(torch.float16).float(), b[..., scale_bytes:]
+
+
+def _split_q6_k(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """Q6_K super-blocks (GGUF's order: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8
+    scales, fp16 d) as ``Q8_16`` scales ``d * sc`` and signed codes ``q - 32``, 32 weights per block."""
+    rows = blocks.shape[0]
+    b = blocks.view(-1, Q6_K_BYTES)
+    low = torch.stack((b[:, :128] & 0x0F, b[:, :128] >> 4), dim=1)  # [n, 2, 128]: low nibble, high nibble
+    low = low.view(-1, 2, 2, 64).transpose(1, 2).reshape(-1, 8, 32)  # weights 0-127 then 128-255, in order
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    high = ((b[:, 128:192].view(-1, 2, 1, 32) >> shifts) & 0x03).reshape(-1, 8, 32)
+    codes = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).view(torch.uint8)
+    d = b[:, 208:210].contiguous().view(torch.float16).float()  # [n, 1]
+    scales = d * b[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]: exact (11 x 8 bits)
+    return scales.view(rows, -1, 2), codes.view(rows, -1, 32)
 
 
 def _dequantise(kind: str, scales: Tensor, codes: Tensor) -> Tensor:
-    """Blocks ``[..., 32]`` of float32 weights from their scales ``[..., 1 or 2]`` (float32 d,
-    and m for Q4_1) and code bytes: Q4_1 ``d * q + m`` (low nibbles first), Q8_0 ``d * q``."""
-    if kind == "Q8_0":
-        return scales * codes.contiguous().view(torch.int8).float()
+    """Blocks ``[..., 32]`` of float32 weights from their kernel-format scales (float32) and code
+    bytes: Q4_0 ``d * q - 8 d``, Q4_1 ``d * q + m`` (low nibbles first), Q8_0 ``d * q``, Q8_16
+    ``d0 * q`` (first 16) and ``d1 * q`` (last 16)."""
+    if kind in ("Q8_0", "Q8_16"):
+        q = codes.contiguous().view(torch.int8).float()
+        return scales.repeat_interleave(32 // scales.shape[-1], dim=-1) * q
     q = torch.cat((codes & 0x0F, codes >> 4), dim=-1).float()
-    return scales[..., :1] * q + scales[..., 1:]
+    offset = -8 * scales if kind == "Q4_0" else scales[..., 1:]
+    return scales[..., :1] * q + offset
 
 
 def repack(kind: str, blocks: Tensor) -> Tensor:
-    """GGUF ``blocks`` as the kernel reads them, ``[out, in / 32 * BLOCK_BYTES[kind]]``: each
-    block's fp16 scales widened to float32 (exactly), its codes unchanged."""
-    rows = blocks.shape[0]
-    b = blocks.view(rows, -1, GGUF_BLOCK_BYTES[kind])
-    halves = 2 if kind == "Q4_1" else 1
-    scales = b[..., : 2 * halves].contiguous().view(torch.float16).float().view(torch.uint8)
-    return torch.cat((scales, b[..., 2 * halves:]), dim=-1).reshape(rows, -1)
+    """GGUF ``blocks`` as the kernel reads them, ``[out, in / 32 * BLOCK_BYTES[KERNEL_KIND[kind]]]``:
+    each block's fp16 scales widened to float32 (exactly), its codes unchanged; a Q6_K
+    super-block becomes eight ``Q8_16`` blocks."""
+    scales, codes = _split(kind, blocks)
+    return torch.cat((scales.view(torch.uint8), codes), dim=-1).reshape(blocks.shape[0], -1)
 
 
 def gguf_blocks(gguf_path: str | os.PathLike[str], model: torch.nn.Module) -> dict[str, Tensor]:
-    """The kernel's blocks (:func:`repack`) of ``model``'s weights stored as Q4_1 or Q8_0 in the
+    """The kernel's blocks (:func:`repack`) of ``model``'s weights stored as Q4_0, Q4_1, Q8_0 or Q6_K in the
     GGUF ``model`` was converted from, by HF parameter name (``model.layers.0.self_attn.q_proj.weight``;
     a tied LM head under both of its names). Needs :func:`available`.
 
@@ -181,7 +213,7 @@ def gguf_blocks(gguf_path: str | os.PathLike[str], model: torch.nn.Module) -> di
     found: dict[str, Tensor] = {}
     for tensor in gguf_tensors(gguf_path):
         name, kind = _hf_name(tensor.name), tensor.type_name
-        if kind not in GGUF_BLOCK_BYTES or name not in params:
+        if kind not in KERNEL_KIND or name not in params:
             continue
         weight = params[name]
         if weight.dtype not in (torch.float32, torch.bfloat16) or weight.is_meta:

@@ -3,12 +3,15 @@
 //
 // GGUF stores 32 weights of one output row per block. Q4_1: fp16 scale d, fp16 offset m, then
 // 16 bytes of 4-bit codes q (low nibbles are weights 0-15, high nibbles 16-31); w = d * q + m.
-// Q8_0: fp16 scale d, then 32 signed bytes q; w = d * q. Here the scales are stored as float32
-// (flexpage.model.gguf_linear.repack): 24-byte Q4_1 blocks, 36-byte Q8_0 blocks, so the row
-// width in bytes tells the format. Read with a broadcast load instead of a half-to-float
-// conversion, the 2-core AMD Zen 3 ran a 3072x576 Q4_1 projection in 116 instead of 207 us.
-// d * q is exact in float32 (an 11-bit mantissa times a 4- or 8-bit integer), so the weights
-// are exactly GGUF's own dequantisation (Q4_1's fused multiply-add rounds once, as its sum does).
+// Q4_0: fp16 d and the codes; w = d * (q - 8). Q8_0: fp16 scale d, then 32 signed bytes q;
+// w = d * q. Here the scales are stored as float32 (flexpage.model.gguf_linear.repack): 20-byte
+// Q4_0 blocks (m = -8 d computed), 24-byte Q4_1, 36-byte Q8_0, and 40-byte Q8_16 blocks (two
+// scales, one per 16 weights, and 32 signed bytes: GGUF's Q6_K, whose 16-weight scales are
+// d * sc), so the row width in bytes tells the format. Read with a broadcast load instead of a
+// half-to-float conversion, the 2-core AMD Zen 3 ran a 3072x576 Q4_1 projection in 116 instead
+// of 207 us. d * q is exact in float32 (an 11-bit mantissa times a 4- or 8-bit integer), so the
+// weights are exactly GGUF's own dequantisation (the fused multiply-add d * q + m rounds once,
+// as GGUF's sum does; Q6_K's (d * sc) * q rounds once, as GGUF's does).
 //
 // Up to kDotRows input rows: each thread takes a range of output rows and, for each, expands a
 // block into registers and multiplies it with up to four input rows, so the weights stream from
@@ -36,29 +39,71 @@ constexpr int64_t kBlock = 32;  // weights per block
 constexpr int64_t kDotRows = 12; // inputs of up to this many rows expand blocks in registers, per output row
 
 // The 32 float32 weights of one block, as four vectors of 8.
+// w = d * q + m for the 16 bytes of 4-bit codes at `codes`
+inline void expand_nibbles(const uint8_t* codes, __m256 d, __m256 m, __m256 w[4]) {
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+  const __m128i eights[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int q = 0; q < 4; ++q) w[q] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eights[q])), m);
+}
+
 struct Q4_1 {
   static constexpr int64_t kBytes = 24;  // float32 d, float32 m, 16 bytes of codes
   static inline void expand(const uint8_t* block, __m256 w[4]) {
     const float* scale = reinterpret_cast<const float*>(block);
-    const __m256 d = _mm256_broadcast_ss(scale), m = _mm256_broadcast_ss(scale + 1);
-    const __m128i low4 = _mm_set1_epi8(0x0f);
-    const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8));
-    const __m128i lo = _mm_and_si128(codes, low4), hi = _mm_and_si128(_mm_srli_epi16(codes, 4), low4);
-    const __m128i eights[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    for (int q = 0; q < 4; ++q) w[q] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eights[q])), m);
+    expand_nibbles(block + 8, _mm256_broadcast_ss(scale), _mm256_broadcast_ss(scale + 1), w);
   }
 };
+
+struct Q4_0 {
+  static constexpr int64_t kBytes = 20;  // float32 d, 16 bytes of codes; m = -8 d (exact)
+  static inline void expand(const uint8_t* block, __m256 w[4]) {
+    const __m256 d = _mm256_broadcast_ss(reinterpret_cast<const float*>(block));
+    expand_nibbles(block + 4, d, _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)), w);
+  }
+};
+
+// w[q] = d_q * the 8 signed bytes at codes + 8 q
+inline void expand_bytes(const uint8_t* codes, const __m256 d[4], __m256 w[4]) {
+  for (int q = 0; q < 4; ++q) {
+    const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * q));
+    w[q] = _mm256_mul_ps(d[q], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)));
+  }
+}
 
 struct Q8_0 {
   static constexpr int64_t kBytes = 36;  // float32 d, 32 signed bytes
   static inline void expand(const uint8_t* block, __m256 w[4]) {
     const __m256 d = _mm256_broadcast_ss(reinterpret_cast<const float*>(block));
-    for (int q = 0; q < 4; ++q) {
-      const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 4 + 8 * q));
-      w[q] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)));
-    }
+    const __m256 scales[4] = {d, d, d, d};
+    expand_bytes(block + 4, scales, w);
   }
 };
+
+struct Q8_16 {
+  static constexpr int64_t kBytes = 40;  // float32 scales of weights 0-15 and 16-31, 32 signed bytes
+  static inline void expand(const uint8_t* block, __m256 w[4]) {
+    const float* scale = reinterpret_cast<const float*>(block);
+    const __m256 d0 = _mm256_broadcast_ss(scale), d1 = _mm256_broadcast_ss(scale + 1);
+    const __m256 scales[4] = {d0, d0, d1, d1};
+    expand_bytes(block + 8, scales, w);
+  }
+};
+
+// The formats by the kernel's block width: the AVX2 structs here, the AVX-512 ones (bf16::)
+// below; with_format calls fn(Formats<...>{}) for a row's format
+enum class Kind { kQ4_0, kQ4_1, kQ8_0, kQ8_16, kNone };
+
+inline Kind kind_of(int64_t K, int64_t row_bytes) {
+  if (K % kBlock != 0) return Kind::kNone;
+  const int64_t blocks = K / kBlock;
+  if (row_bytes == blocks * Q4_0::kBytes) return Kind::kQ4_0;
+  if (row_bytes == blocks * Q4_1::kBytes) return Kind::kQ4_1;
+  if (row_bytes == blocks * Q8_0::kBytes) return Kind::kQ8_0;
+  if (row_bytes == blocks * Q8_16::kBytes) return Kind::kQ8_16;
+  return Kind::kNone;
+}
 
 inline float lane_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -229,37 +274,61 @@ constexpr int kTile = 12;         // input rows per register tile
 
 // One block's 32 float32 weights as two vectors (k 0-15, 16-31), and as 16 pairs of bf16
 // (32-bit unit u holds k = 2u, 2u + 1; rounded to nearest even)
-struct Q4_1 {
-  static constexpr int64_t kBytes = 24;
-  static inline void floats(const uint8_t* block, __m512& w0, __m512& w1) {
-    const float* scale = reinterpret_cast<const float*>(block);
-    const __m512 d = _mm512_set1_ps(scale[0]), m = _mm512_set1_ps(scale[1]);
-    const __m128i low4 = _mm_set1_epi8(0x0f);
-    const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8));
-    const __m128i lo = _mm_and_si128(codes, low4), hi = _mm_and_si128(_mm_srli_epi16(codes, 4), low4);
-    w0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), m);
-    w1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), m);
-  }
+template <typename Format>
+struct Pairs {
   static inline __m512i pairs(const uint8_t* block) {
     __m512 w0, w1;
-    floats(block, w0, w1);
+    Format::floats(block, w0, w1);
     return (__m512i)_mm512_cvtne2ps_pbh(w1, w0);
   }
 };
 
-struct Q8_0 {
+// w0, w1 = d * q + m for the 16 bytes of 4-bit codes at `codes`
+inline void nibbles(const uint8_t* codes, __m512 d, __m512 m, __m512& w0, __m512& w1) {
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+  w0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), m);
+  w1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), m);
+}
+
+// w0, w1 = d0, d1 times the 16 + 16 signed bytes at `codes`
+inline void signed_bytes(const uint8_t* codes, __m512 d0, __m512 d1, __m512& w0, __m512& w1) {
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16));
+  w0 = _mm512_mul_ps(d0, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
+  w1 = _mm512_mul_ps(d1, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)));
+}
+
+struct Q4_1 : Pairs<Q4_1> {
+  static constexpr int64_t kBytes = 24;
+  static inline void floats(const uint8_t* block, __m512& w0, __m512& w1) {
+    const float* scale = reinterpret_cast<const float*>(block);
+    nibbles(block + 8, _mm512_set1_ps(scale[0]), _mm512_set1_ps(scale[1]), w0, w1);
+  }
+};
+
+struct Q4_0 : Pairs<Q4_0> {
+  static constexpr int64_t kBytes = 20;
+  static inline void floats(const uint8_t* block, __m512& w0, __m512& w1) {
+    const __m512 d = _mm512_set1_ps(*reinterpret_cast<const float*>(block));
+    nibbles(block + 4, d, _mm512_mul_ps(d, _mm512_set1_ps(-8.0f)), w0, w1);
+  }
+};
+
+struct Q8_0 : Pairs<Q8_0> {
   static constexpr int64_t kBytes = 36;
   static inline void floats(const uint8_t* block, __m512& w0, __m512& w1) {
     const __m512 d = _mm512_set1_ps(*reinterpret_cast<const float*>(block));
-    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
-    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 20));
-    w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
-    w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)));
+    signed_bytes(block + 4, d, d, w0, w1);
   }
-  static inline __m512i pairs(const uint8_t* block) {
-    __m512 w0, w1;
-    floats(block, w0, w1);
-    return (__m512i)_mm512_cvtne2ps_pbh(w1, w0);
+};
+
+struct Q8_16 : Pairs<Q8_16> {
+  static constexpr int64_t kBytes = 40;
+  static inline void floats(const uint8_t* block, __m512& w0, __m512& w1) {
+    const float* scale = reinterpret_cast<const float*>(block);
+    signed_bytes(block + 8, _mm512_set1_ps(scale[0]), _mm512_set1_ps(scale[1]), w0, w1);
   }
 };
 
@@ -506,6 +575,24 @@ void output_tiles(const uint32_t* x_pairs, int64_t rows, int64_t K, const uint8_
 #pragma GCC pop_options
 #endif
 
+// The AVX2 and the AVX-512 struct of one format
+template <typename Avx2, typename Avx512>
+struct Formats {
+  using avx2 = Avx2;
+  using avx512 = Avx512;
+};
+
+// fn(Formats<...>{}) for blocks of `kind` (one of kind_of's formats)
+template <typename Fn>
+inline void with_format(Kind kind, Fn&& fn) {
+  switch (kind) {
+    case Kind::kQ4_0: fn(Formats<Q4_0, bf16::Q4_0>{}); break;
+    case Kind::kQ4_1: fn(Formats<Q4_1, bf16::Q4_1>{}); break;
+    case Kind::kQ8_0: fn(Formats<Q8_0, bf16::Q8_0>{}); break;
+    default: fn(Formats<Q8_16, bf16::Q8_16>{}); break;
+  }
+}
+
 // True where this CPU has AMX bf16 tiles and Linux lets this process use them (asked once);
 // the tile code also needs the bf16 panels' AVX-512 (tiles_serve asks for both)
 bool has_amx_tiles() {
@@ -531,7 +618,7 @@ bool has_bf16_panels() {
 
 // x @ W.T + bias in float32, x validated
 at::Tensor float_block_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
-                              bool q4_1) {
+                              Kind kind) {
   const int64_t K = x.size(1), N = blocks.size(0), rows = x.size(0);
   const at::Tensor input = x.contiguous();
   at::Tensor out = at::empty({rows, N}, x.options());
@@ -541,19 +628,11 @@ at::Tensor float_block_linear(const at::Tensor& x, const at::Tensor& blocks, con
   float* yp = out.data_ptr<float>();
   if (rows > kDotRows && N % kPanel == 0) {
     at::parallel_for(0, N / kPanel, 1, [&](int64_t begin, int64_t end) {
-      if (q4_1) {
-        output_panels<Q4_1>(xp, rows, K, bp, yp, N, begin, end);
-      } else {
-        output_panels<Q8_0>(xp, rows, K, bp, yp, N, begin, end);
-      }
+      with_format(kind, [&](auto f) { output_panels<typename decltype(f)::avx2>(xp, rows, K, bp, yp, N, begin, end); });
     });
   } else {
     at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-      if (q4_1) {
-        output_rows<Q4_1>(xp, rows, K, bp, yp, N, begin, end);
-      } else {
-        output_rows<Q8_0>(xp, rows, K, bp, yp, N, begin, end);
-      }
+      with_format(kind, [&](auto f) { output_rows<typename decltype(f)::avx2>(xp, rows, K, bp, yp, N, begin, end); });
     });
   }
   if (bias.has_value() && bias->defined()) out.add_(*bias);
@@ -569,7 +648,7 @@ bool tiles_serve(const at::Tensor& x, const at::Tensor& blocks) {
 // x @ W.T + bias in bf16 on the AMX tiles (on_tiles: tiles_serve(x, blocks)) or else the bf16
 // panels, x validated
 at::Tensor bf16_block_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
-                             bool q4_1, bool on_tiles) {
+                             Kind kind, bool on_tiles) {
   const int64_t K = x.size(1), N = blocks.size(0), rows = x.size(0);
   const at::Tensor input = x.contiguous();
   at::Tensor bias32;
@@ -584,21 +663,17 @@ at::Tensor bf16_block_linear(const at::Tensor& x, const at::Tensor& blocks, cons
     std::vector<uint32_t> x_pairs(rows * K / 2);
     amx::pairs_by_column(xp, rows, K / 2, x_pairs.data());
     at::parallel_for(0, N / amx::kOutputs, 1, [&](int64_t begin, int64_t end) {
-      if (q4_1) {
-        amx::output_tiles<bf16::Q4_1>(x_pairs.data(), rows, K, bp, biasp, yp, N, begin, end);
-      } else {
-        amx::output_tiles<bf16::Q8_0>(x_pairs.data(), rows, K, bp, biasp, yp, N, begin, end);
-      }
+      with_format(kind, [&](auto f) {
+        amx::output_tiles<typename decltype(f)::avx512>(x_pairs.data(), rows, K, bp, biasp, yp, N, begin, end);
+      });
     });
     return out;
   }
 #endif
   at::parallel_for(0, N / bf16::kPanel, 1, [&](int64_t begin, int64_t end) {
-    if (q4_1) {
-      bf16::output_panels<bf16::Q4_1>(xp, rows, K, bp, biasp, yp, N, begin, end);
-    } else {
-      bf16::output_panels<bf16::Q8_0>(xp, rows, K, bp, biasp, yp, N, begin, end);
-    }
+    with_format(kind, [&](auto f) {
+      bf16::output_panels<typename decltype(f)::avx512>(xp, rows, K, bp, biasp, yp, N, begin, end);
+    });
   });
   return out;
 }
@@ -609,7 +684,7 @@ at::Tensor bf16_block_linear(const at::Tensor& x, const at::Tensor& blocks, cons
 // The result is the same bits as the copies gave (bf16 -> float32 is exact; the sum plus the
 // bias is rounded once, to nearest-even, as Tensor.to rounds).
 at::Tensor bf16_rows_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
-                            bool q4_1) {
+                            Kind kind) {
   const int64_t K = x.size(1), N = blocks.size(0), rows = x.size(0);
   const at::Tensor input = x.contiguous();
   std::vector<float> wide(rows * K);
@@ -622,11 +697,9 @@ at::Tensor bf16_rows_linear(const at::Tensor& x, const at::Tensor& blocks, const
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   at::BFloat16* yp = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    if (q4_1) {
-      bf16::output_rows<bf16::Q4_1>(xp, rows, K, bp, biasp, yp, N, begin, end);
-    } else {
-      bf16::output_rows<bf16::Q8_0>(xp, rows, K, bp, biasp, yp, N, begin, end);
-    }
+    with_format(kind, [&](auto f) {
+      bf16::output_rows<typename decltype(f)::avx512>(xp, rows, K, bp, biasp, yp, N, begin, end);
+    });
   });
   return out;
 }
@@ -643,22 +716,22 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
               "block_linear: blocks must be a contiguous uint8 [out_features, bytes per row] tensor");
   const int64_t K = x.size(1), N = blocks.size(0), rows = x.size(0), row_bytes = blocks.size(1);
-  const bool q4_1 = K % kBlock == 0 && row_bytes == K / kBlock * Q4_1::kBytes;
-  TORCH_CHECK(q4_1 || (K % kBlock == 0 && row_bytes == K / kBlock * Q8_0::kBytes), "block_linear: x has ", K,
-              " features; blocks of ", row_bytes, " bytes per row hold ", row_bytes / Q4_1::kBytes * kBlock,
-              " (Q4_1) or ", row_bytes / Q8_0::kBytes * kBlock, " (Q8_0)");
+  const Kind kind = kind_of(K, row_bytes);
+  TORCH_CHECK(kind != Kind::kNone, "block_linear: x has ", K, " features (a multiple of 32 needed), so blocks of ",
+              K / kBlock * Q4_0::kBytes, " (Q4_0), ", K / kBlock * Q4_1::kBytes, " (Q4_1), ", K / kBlock * Q8_0::kBytes,
+              " (Q8_0) or ", K / kBlock * Q8_16::kBytes, " (Q8_16) bytes per row; got ", row_bytes);
   // the bf16 kernels read the bias by pointer, one value per output
   TORCH_CHECK(!(bias.has_value() && bias->defined()) || bias->numel() == N, "block_linear: bias has ",
               bias.has_value() && bias->defined() ? bias->numel() : 0, " values, the blocks ", N, " outputs");
-  if (x.scalar_type() == at::kFloat) return float_block_linear(x, blocks, bias, q4_1);
+  if (x.scalar_type() == at::kFloat) return float_block_linear(x, blocks, bias, kind);
   if (has_bf16_panels() && rows > 0) {
-    if (rows <= bf16::kDotRows) return bf16_rows_linear(x, blocks, bias, q4_1);
+    if (rows <= bf16::kDotRows) return bf16_rows_linear(x, blocks, bias, kind);
     const bool on_tiles = tiles_serve(x, blocks);
-    if (on_tiles || N % bf16::kPanel == 0) return bf16_block_linear(x, blocks, bias, q4_1, on_tiles);
+    if (on_tiles || N % bf16::kPanel == 0) return bf16_block_linear(x, blocks, bias, kind, on_tiles);
   }
   std::optional<at::Tensor> bias32;
   if (bias.has_value() && bias->defined()) bias32 = bias->to(at::kFloat);
-  return float_block_linear(x.to(at::kFloat), blocks, bias32, q4_1).to(at::kBFloat16);
+  return float_block_linear(x.to(at::kFloat), blocks, bias32, kind).to(at::kBFloat16);
 }
 
 // True where `blocks` (the kernel's layout) expand to exactly `weight` [N, K]: float32 values
@@ -701,9 +774,8 @@ bool blocks_match(const at::Tensor& blocks, const at::Tensor& weight) {
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() && weight.dim() == 2,
               "blocks_match: blocks must be a contiguous uint8 [out_features, bytes per row] tensor, weight 2-d");
   const int64_t N = weight.size(0), K = weight.size(1), row_bytes = blocks.size(1);
-  if (blocks.size(0) != N || K % kBlock != 0) return false;
-  const bool q4_1 = row_bytes == K / kBlock * Q4_1::kBytes;
-  if (!q4_1 && row_bytes != K / kBlock * Q8_0::kBytes) return false;
+  const Kind kind = kind_of(K, row_bytes);
+  if (blocks.size(0) != N || kind == Kind::kNone) return false;
   const at::Tensor w = weight.contiguous();
   const bool bf16 = w.scalar_type() == at::kBFloat16;
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
@@ -711,7 +783,8 @@ bool blocks_match(const at::Tensor& blocks, const at::Tensor& weight) {
   std::atomic<bool> match{true};
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     if (!match.load(std::memory_order_relaxed)) return;
-    const bool ok = q4_1 ? rows_match<Q4_1>(bp, K, wp, bf16, begin, end) : rows_match<Q8_0>(bp, K, wp, bf16, begin, end);
+    bool ok = true;
+    with_format(kind, [&](auto f) { ok = rows_match<typename decltype(f)::avx2>(bp, K, wp, bf16, begin, end); });
     if (!ok) match.store(false, std::memory_order_relaxed);
   });
   return match.load();
