@@ -270,9 +270,10 @@ def read_bandwidth_gbs(size_mb: int = 1024, reps: int = 7) -> float:
     return buffer.numel() * 4 / statistics.median(timed(buffer.sum) for _ in range(reps)) / 1e9
 
 
-#: bytes per 32 weights as GGUF stores them and as flexpage's block kernel reads them (its
-#: repacked blocks keep the scales in float32: flexpage.model.gguf_linear.repack)
-_BLOCK_BYTES = {"Q4_0": (18, 24), "Q4_1": (20, 24), "Q8_0": (34, 36)}
+#: bytes as GGUF stores a block and as flexpage's block kernel reads the same weights (its
+#: repacked blocks keep the scales in float32: flexpage.model.gguf_linear.repack); per 32
+#: weights, Q6_K per 256
+_BLOCK_BYTES = {"Q4_0": (18, 20), "Q4_1": (20, 24), "Q8_0": (34, 36), "Q6_K": (210, 320)}
 
 
 def step_weight_bytes(gguf: Path, ov_model: Path | None) -> dict[str, int]:
