@@ -270,25 +270,23 @@ def read_bandwidth_gbs(size_mb: int = 1024, reps: int = 7) -> float:
     return buffer.numel() * 4 / statistics.median(timed(buffer.sum) for _ in range(reps)) / 1e9
 
 
-#: bytes as GGUF stores a block and as flexpage's block kernel reads the same weights (its
-#: repacked blocks keep the scales in float32: flexpage.model.gguf_linear.repack); per 32
-#: weights, Q6_K per 256
-_BLOCK_BYTES = {"Q4_0": (18, 20), "Q4_1": (20, 24), "Q8_0": (34, 36), "Q6_K": (210, 320)}
-
-
 def step_weight_bytes(gguf: Path, ov_model: Path | None) -> dict[str, int]:
     """Weight bytes one batch-1 decode step reads, per engine: flexpage's default engine reads
     every tensor of the GGUF once (the embedding as the LM head, the projections as the block
-    kernel's blocks); llama.cpp the GGUF as stored; vLLM every weight in bf16; OpenVINO its IR's
-    weights file (an upper bound where it stores tied weights twice)."""
+    kernel's blocks: :data:`~flexpage.model.gguf_linear.BLOCK_BYTES` per 32 weights of the
+    format it reads each GGUF kind as); llama.cpp the GGUF as stored; vLLM every weight in
+    bf16; OpenVINO its IR's weights file (an upper bound where it stores tied weights twice)."""
     from flexpage.model.gguf_file import gguf_tensors
+    from flexpage.model.gguf_linear import BLOCK_BYTES, KERNEL_KIND
 
     sizes = {"flexpage": 0, "llama.cpp": 0, "vllm": 0}
     for tensor in gguf_tensors(gguf):
-        stored, read = _BLOCK_BYTES.get(tensor.type_name, (1, 1))
-        sizes["flexpage"] += tensor.data.shape[0] * read // stored
-        sizes["llama.cpp"] += tensor.data.shape[0]  # as stored
-        sizes["vllm"] += 2 * int(np.prod(tensor.shape))  # bf16
+        weights = int(np.prod(tensor.shape))
+        kernel_kind = KERNEL_KIND.get(tensor.type_name)
+        stored = tensor.data.shape[0]
+        sizes["flexpage"] += stored if kernel_kind is None else weights // 32 * BLOCK_BYTES[kernel_kind]
+        sizes["llama.cpp"] += stored
+        sizes["vllm"] += 2 * weights  # bf16
     if ov_model is not None and (ov_model / "openvino_model.bin").exists():
         sizes["openvino"] = (ov_model / "openvino_model.bin").stat().st_size
     return sizes

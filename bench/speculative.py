@@ -24,7 +24,8 @@ length per verification, and whether every output was token-identical between th
 (greedy: it must be). ``--crossover`` adds the grounded workload at batches 1, 2, 4, 8 and 16
 with ``disable_by_batch_size`` lifted (the speculating engine proposes at every batch size),
 which is where the default comes from. ``--step-costs`` adds what one sequence's verification
-step of k + 1 rows costs (k = 0: a decode step).
+step of k + 1 rows costs (k = 0: a decode step), over a cached prompt of a sentence repeated
+``--step-cost-repeats`` times (12: ~250 tokens).
 
 ``--max-branches N`` lets prompt lookup propose up to N continuations verified as one tree and
 adds a third engine, the same with one branch: every workload and batch runs the tree
@@ -169,16 +170,16 @@ def measure(plain: Any, spec: Any, prompts: list[list[int]], params: Any, batch:
     }
 
 
-def step_costs(llm: Any, rounds: int = 3) -> dict[str, float]:
+def step_costs(llm: Any, rounds: int = 3, repeats: int = 12) -> dict[str, float]:
     """Milliseconds per step of one sequence verifying k prompt-lookup proposals that are always
-    accepted (a numbered sentence repeated 12 times, 128 greedy tokens, the prompt cached), for
+    accepted (a numbered sentence repeated ``repeats`` times, 128 greedy tokens, the prompt cached), for
     k = 0 (a plain decode step) to 15: the cost of a verification step of k + 1 rows. Median
     over ``rounds``."""
     from flexpage import SamplingParams
 
     speculator = llm.engine.speculator
     default = speculator.config
-    text = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen. " * 12
+    text = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen. " * repeats
     prompt = llm.engine.tokenizer(text).input_ids
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1))
     costs: dict[int, list[float]] = {}
@@ -216,6 +217,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--crossover", action="store_true", help="grounded workload at batches 1-16, nothing disabled")
+    p.add_argument("--step-cost-repeats", type=int, default=12,
+                   help="the step-cost prompt's length: a 17-token sentence this many times")
     p.add_argument("--step-costs", action="store_true",
                    help="ms per verification step of k + 1 rows, k = 0-15 (prompt lookup only)")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 round, 4 prompts each, 32 tokens")
@@ -287,7 +290,8 @@ def main() -> None:
             print(f"  {args.max_branches} branches vs 1: {versus['ratio']:.2f} {versus['per_round_ratio']}; tree "
                   f"verifications {spec.engine.stats()['spec_decode_num_tree_drafts']}", flush=True)
     if args.step_costs and args.draft_layers is None:
-        result["step_ms"] = step_costs(spec)
+        result["step_cost_prompt_repeats"] = args.step_cost_repeats
+        result["step_ms"] = step_costs(spec, repeats=args.step_cost_repeats)
         print("ms per step, k proposals always accepted: " + ", ".join(f"{k} {v:.1f}" for k, v in result["step_ms"].items()))
     if args.crossover:
         speculator = spec.engine.speculator
