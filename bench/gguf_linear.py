@@ -2,6 +2,7 @@
 ``flexpage::block_linear`` as fast at every row count (so a projection need not keep both)?
 
     python -m bench.gguf_linear [--rows 1 2 3 4 6 8 16] [--reps 15] [--rounds 3]
+    python -m bench.gguf_linear --gguf FILE [--rows 1 2 4] [--dtype bfloat16]
 
 One forward's projections of the default model (SmolLM2-135M-Instruct's GGUF: 30 layers of
 Q4_1 q|k|v, o, gate|up and down, fused as the engine fuses them, and the Q8_0 embedding as
@@ -12,7 +13,10 @@ rounds, their ratio, and each path's largest error against a float64 product of 
 float32 weights. Where the engine's default dtype is bfloat16 (``default_dtype``), the same
 weights packed for oneDNN in bfloat16 are timed too, against bf16 rows computed from the blocks
 (the bf16 panels where the CPU has AVX512-BF16: what such a CPU without AMX runs by default).
-Prints a table; nothing is written.
+With ``--gguf FILE`` (any Llama-shaped GGUF of Q4_0/Q4_1/Q8_0 layers, e.g. bench.llama1b's
+1B Q4_0) it times the block kernel alone on one forward's projections and LM head, all of
+them from memory, against the read floor: the blocks' bytes over the read bandwidth measured
+in the same run (bench.anchors' measure). Prints a table; nothing is written.
 """
 
 from __future__ import annotations
@@ -54,14 +58,66 @@ def load_projections() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     return projections
 
 
+def gguf_forward_blocks(path: str) -> list[tuple[torch.Tensor, int]]:
+    """(kernel blocks, in_features) of every fused projection of a GGUF's layers and of its LM
+    head (the embedding where the head is tied), as the engine reads them."""
+    by_layer: dict[str, dict[str, tuple[str, torch.Tensor]]] = defaultdict(dict)
+    head = None
+    for tensor in gguf_tensors(path):
+        if tensor.type_name not in gguf_linear.KERNEL_KIND:
+            continue
+        raw = (tensor.type_name, torch.from_numpy(tensor.data.copy()).reshape(tensor.shape[0], -1))
+        parts = tensor.name.split(".")
+        if parts[0] == "blk":
+            by_layer[parts[1]][parts[2]] = raw
+        elif tensor.name == "output.weight" or (tensor.name == "token_embd.weight" and head is None):
+            head = raw
+    assert head is not None, f"{path} has no LM head or embedding in a block format"
+    fused = [head]
+    for layer in by_layer.values():
+        for names in FUSED:
+            kinds = {layer[name][0] for name in names}
+            assert len(kinds) == 1, f"{names} mix {kinds}: the engine would not fuse them"
+            fused.append((kinds.pop(), torch.cat([layer[name][1] for name in names])))
+    blocks = [(gguf_linear.KERNEL_KIND[kind], gguf_linear.repack(kind, raw)) for kind, raw in fused]
+    return [(b, b.shape[1] // gguf_linear.BLOCK_BYTES[kind] * 32) for kind, b in blocks]
+
+
+def time_gguf(path: str, rows_list: list[int], dtype: torch.dtype, reps: int, rounds: int) -> None:
+    from bench.anchors import read_bandwidth_gbs
+
+    blocks = gguf_forward_blocks(path)
+    total = sum(b.numel() for b, _ in blocks)
+    bandwidth = read_bandwidth_gbs()
+    floor_ms = total / bandwidth / 1e6
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {dtype}; {path}: {len(blocks)} projections,"
+          f" {total / 1e6:.0f} MB of blocks; read bandwidth {bandwidth:.1f} GB/s, floor {floor_ms:.1f} ms")
+    print(f"{'rows':>4} {'ms':>8} {'GB/s':>7} {'x floor':>8}")
+    for rows in rows_list:
+        inputs = {k: torch.randn(rows, k, dtype=dtype) for _, k in blocks}
+
+        def forward() -> None:
+            for b, k in blocks:
+                gguf_linear.block_linear(inputs[k], b)
+
+        ms = statistics.median(median_us(forward, reps) for _ in range(rounds)) / 1e3
+        print(f"{rows:>4} {ms:>8.1f} {total / ms / 1e6:>7.1f} {ms / floor_ms:>8.2f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 16])
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--gguf", help="time the block kernel on this GGUF's projections against the read floor")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                        help="with --gguf: the inputs' dtype (default: the engine's default dtype here)")
     args = parser.parse_args()
     if not gguf_linear.available():
         raise SystemExit("the block kernel is not available on this machine (needs x86 AVX2/FMA/F16C and a compiler)")
+    if args.gguf:
+        dtype = getattr(torch, args.dtype) if args.dtype else default_dtype()
+        return time_gguf(args.gguf, args.rows, dtype, args.reps, args.rounds)
     torch.manual_seed(0)
     projections = load_projections()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(projections)} projections, "

@@ -5,7 +5,8 @@
 * A projection given blocks keeps the blocks only (no float32 weight) and computes from them;
   an embedding kept as blocks gives exactly its table's rows. bf16 rows computed from the
   blocks see exactly the bf16 model's weights (on the bf16 panels) and match float64 to bf16
-  rounding. A Q4_0 block is read as the Q4_1 block with ``m = -8 d``: the same weights. Where the blocks do not serve every row count in bf16, a bf16 projection packed
+  rounding; up to 4 rows, quantised to 16-bit integers per 32-wide block, err by at most 2^-15
+  of a block's largest input (and infinities and NaNs come out as float64 gives them). A Q4_0 block is read as the Q4_1 block with ``m = -8 d``: the same weights. Where the blocks do not serve every row count in bf16, a bf16 projection packed
   for oneDNN keeps both and computes up to ``MAX_BLOCK_ROWS`` rows from the blocks, more from
   the packed weight: eagerly and in a compiled graph, the same bits.
 * The tensor table is read as ``gguf.GGUFReader`` reads it (without its metadata values).
@@ -186,6 +187,43 @@ def test_bf16_rows_match_float64_to_bf16_rounding(kind, rows, in_features):
     expected = x.double() @ weight.T + bias.double()
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
     torch.testing.assert_close(out.double(), expected, rtol=2**-7, atol=2**-8 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", (*KINDS, "Q6_K"))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_few_bf16_rows_err_by_at_most_two_to_the_minus_15_of_each_blocks_largest_input(kind, rows):
+    """Up to 4 bf16 rows may run as integers (AVX512-VNNI): each 32-wide block of x as int16 codes
+    times a power of two, exact for inputs within 2^7 of the block's largest and off by at most
+    2^-15 of it below. Inputs spanning 2^30 within a block (and a block of zeros) stay inside that
+    bound plus the result's bf16 rounding; 8-bit inputs, as llama.cpp's, would not."""
+    in_features = 256
+    raw = _blocks(kind, 64, in_features, seed=rows)
+    weight = gguf_linear.expand(kind, raw).double()
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=generator) * 2.0 ** torch.randint(-20, 10, (rows, in_features),
+                                                                                     generator=generator)
+    x[:, 32:64] = 0
+    x = x.bfloat16()
+    bias = torch.randn(64).bfloat16()
+    out = gguf_linear.block_linear(x, gguf_linear.repack(kind, raw), bias).double()
+    exact = x.double() @ weight.T + bias.double()
+    block_largest = x.double().abs().reshape(rows, -1, 32).amax(-1).repeat_interleave(32, -1)
+    input_error = (block_largest * 2.0 ** -15) @ weight.abs().T
+    sum_error = 2.0 ** -20 * (x.double().abs() @ weight.abs().T)  # float32 sums of the blocks
+    assert torch.all((out - exact).abs() <= exact.abs() * 2.0 ** -8 + input_error + sum_error)
+
+
+@pytest.mark.parametrize("rows", [3, 30])  # bf16: the few-row kernel and the panels
+def test_bf16_rows_holding_an_infinity_or_nan_give_what_float64_gives(rows):
+    """Inputs are never quantised past an infinity or NaN: such calls run in float32."""
+    raw = _blocks("Q4_1", 64, 64)
+    weight = gguf_linear.expand("Q4_1", raw).double()
+    x = torch.randn(rows, 64).bfloat16()
+    x[0, 3], x[1, 40] = float("inf"), float("nan")
+    out = gguf_linear.block_linear(x, gguf_linear.repack("Q4_1", raw), None).double()
+    exact = x.double() @ weight.T
+    assert torch.equal(out.isnan(), exact.isnan()) and torch.equal(out[exact.isinf()], exact[exact.isinf()])
+    torch.testing.assert_close(out[2:], exact[2:], rtol=2**-7, atol=2**-8 * exact[2:].abs().max().item())
 
 
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 kernels on this CPU")

@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <vector>
@@ -112,6 +113,32 @@ inline float lane_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The few-row kernels read each output row's blocks once, in order: they prefetch the row
+// kNearBytes ahead into L1 and the row kFarBytes ahead into L2 (at least two rows ahead each).
+// With L1 alone (4 KB ahead) one row of a 1B Llama's Q4_0 projections ran at 18 GB/s on the AMX
+// Xeon; with L2 16 KB ahead too, at 22 GB/s (bench.gguf_linear --gguf, 1 row).
+constexpr int64_t kNearBytes = 4096, kFarBytes = 16384;
+
+class RowPrefetch {
+ public:
+  explicit RowPrefetch(int64_t row_bytes)
+      : row_bytes_(row_bytes), lines_((row_bytes + 63) / 64),
+        near_(std::max<int64_t>(2, (kNearBytes + row_bytes - 1) / row_bytes)),
+        far_(std::max<int64_t>(2, (kFarBytes + row_bytes - 1) / row_bytes)) {}
+
+  // before reading output row n of those up to `end`, whose blocks start at `row`
+  __attribute__((always_inline)) inline void operator()(const uint8_t* row, int64_t n, int64_t end) const {
+    const char* bytes = reinterpret_cast<const char*>(row);
+    if (n + near_ < end)
+      for (int64_t line = 0; line < lines_; ++line) _mm_prefetch(bytes + near_ * row_bytes_ + 64 * line, _MM_HINT_T0);
+    if (n + far_ < end)
+      for (int64_t line = 0; line < lines_; ++line) _mm_prefetch(bytes + far_ * row_bytes_ + 64 * line, _MM_HINT_T1);
+  }
+
+ private:
+  int64_t row_bytes_, lines_, near_, far_;
+};
+
 // y[i * ldy] = sum_k x[i, k] * w[k] for R input rows and one output row's blocks. Each block's
 // weights are expanded once into registers and used by all R rows; a row sums into
 // 4 / (R > 2 ? 2 : 1) independent accumulators so that the fused multiply-adds overlap.
@@ -144,8 +171,10 @@ template <typename Format>
 void output_rows(const float* x, int64_t rows, int64_t K, const uint8_t* blocks, float* y, int64_t N, int64_t begin,
                  int64_t end) {
   const int64_t row_bytes = K / kBlock * Format::kBytes;
+  const RowPrefetch prefetch(row_bytes);
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* w = blocks + n * row_bytes;
+    prefetch(w, n, end);
     int64_t i = 0;
     for (; i + 4 <= rows; i += 4) rows_times_weight_row<Format, 4>(x + i * K, K, w, y + i * N + n, N);
     switch (rows - i) {
@@ -262,13 +291,13 @@ void output_panels(const float* x, int64_t rows, int64_t K, const uint8_t* block
 // the blocks stream from memory behind the arithmetic. On the 2-core AMD EPYC Zen 5, 30 layers of
 // SmolLM2's projections from memory took 0.70-0.85x the time of oneDNN's packed bf16 from 5 to
 // 256 rows (a third of the bytes, both threads given equal halves of the outputs) and 0.92-0.96x
-// at 512-1,024 rows. Up to 4 rows, expanding each output row's blocks in 16-wide float32 registers
-// is faster (bf16::output_rows; a forward's projections at 1 row: 3.1-3.4 vs 4.4 ms).
+// at 512-1,024 rows. Up to 4 rows, each output row's blocks multiply x quantised to integers
+// (bf16::WordRows, vpdpwssd; every CPU with AVX512-BF16 has AVX512-VNNI).
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni")
 namespace bf16 {
 
-constexpr int64_t kDotRows = 4;   // up to this many rows run in float32 (output_rows)
+constexpr int64_t kDotRows = 4;   // up to this many rows run as integers (output_word_rows)
 constexpr int64_t kPanel = 32;    // output rows per panel: two vectors of 16 outputs
 constexpr int kTile = 12;         // input rows per register tile
 
@@ -300,102 +329,166 @@ inline void signed_bytes(const uint8_t* codes, __m512 d0, __m512 d1, __m512& w0,
   w1 = _mm512_mul_ps(d1, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)));
 }
 
+// The 32 4-bit codes at `codes` as 16-bit integers in weight order (low nibbles, then high)
+inline __m512i nibble_words(const uint8_t* codes) {
+  const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
+  const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  return _mm512_and_si512(_mm512_srlv_epi16(bytes, shifts), _mm512_set1_epi16(0x0f));
+}
+
+// The 32 signed bytes at `codes` as 16-bit integers
+inline __m512i byte_words(const uint8_t* codes) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
+}
+
+// Each format also gives its block as integer words w (words) and, per lane of vpdpwssd's 16 sums
+// (lane j: weights 2j, 2j + 1), the scale d of w (word_scales), plus an offset m where the weight
+// is d * w + m (kOffset, offset): what bf16::output_word_rows multiplies with integer inputs.
 struct Q4_1 : Pairs<Q4_1> {
   static constexpr int64_t kBytes = 24;
+  static constexpr bool kOffset = true;
   static inline void floats(const uint8_t* block, __m512& w0, __m512& w1) {
     const float* scale = reinterpret_cast<const float*>(block);
     nibbles(block + 8, _mm512_set1_ps(scale[0]), _mm512_set1_ps(scale[1]), w0, w1);
   }
+  static inline __m512i words(const uint8_t* block) { return nibble_words(block + 8); }
+  static inline __m512 word_scales(const uint8_t* block) { return _mm512_set1_ps(*reinterpret_cast<const float*>(block)); }
+  static inline float offset(const uint8_t* block) { return reinterpret_cast<const float*>(block)[1]; }
 };
 
 struct Q4_0 : Pairs<Q4_0> {
   static constexpr int64_t kBytes = 20;
+  static constexpr bool kOffset = false;
   static inline void floats(const uint8_t* block, __m512& w0, __m512& w1) {
     const __m512 d = _mm512_set1_ps(*reinterpret_cast<const float*>(block));
     nibbles(block + 4, d, _mm512_mul_ps(d, _mm512_set1_ps(-8.0f)), w0, w1);
   }
+  static inline __m512i words(const uint8_t* block) {
+    return _mm512_sub_epi16(nibble_words(block + 4), _mm512_set1_epi16(8));
+  }
+  static inline __m512 word_scales(const uint8_t* block) { return _mm512_set1_ps(*reinterpret_cast<const float*>(block)); }
+  static inline float offset(const uint8_t*) { return 0.0f; }
 };
 
 struct Q8_0 : Pairs<Q8_0> {
   static constexpr int64_t kBytes = 36;
+  static constexpr bool kOffset = false;
   static inline void floats(const uint8_t* block, __m512& w0, __m512& w1) {
     const __m512 d = _mm512_set1_ps(*reinterpret_cast<const float*>(block));
     signed_bytes(block + 4, d, d, w0, w1);
   }
+  static inline __m512i words(const uint8_t* block) { return byte_words(block + 4); }
+  static inline __m512 word_scales(const uint8_t* block) { return _mm512_set1_ps(*reinterpret_cast<const float*>(block)); }
+  static inline float offset(const uint8_t*) { return 0.0f; }
 };
 
 struct Q8_16 : Pairs<Q8_16> {
   static constexpr int64_t kBytes = 40;
+  static constexpr bool kOffset = false;
   static inline void floats(const uint8_t* block, __m512& w0, __m512& w1) {
     const float* scale = reinterpret_cast<const float*>(block);
     signed_bytes(block + 8, _mm512_set1_ps(scale[0]), _mm512_set1_ps(scale[1]), w0, w1);
   }
+  static inline __m512i words(const uint8_t* block) { return byte_words(block + 8); }
+  static inline __m512 word_scales(const uint8_t* block) {  // lanes 0-7 sum weights 0-15
+    const float* scale = reinterpret_cast<const float*>(block);
+    return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scale[0]), _mm512_set1_ps(scale[1]));
+  }
+  static inline float offset(const uint8_t*) { return 0.0f; }
 };
 
-// y[i * ldy] = bf16(sum_k x[i, k] * w[k] + bias) (the sum in float32, rounded once to nearest-even)
-// for R <= kDotRows input rows and one output row's blocks, expanded in 16-wide registers: the
-// AVX2 rows_times_weight_row above at half the instructions, with four accumulator chains per
-// row (two blocks per step)
+// Few bf16 rows as integers (word_rows): each 32-wide block of x becomes 32 int16 codes c times a
+// power of two s, 2^(14 - E) for the block's largest exponent E, so c = x / s exactly wherever x's
+// exponent is at least E - 7 (a bf16 value has 8 significant bits), and c is rounded to nearest
+// where smaller: an error of at most s / 2 = 2^-15 of the block's largest magnitude, far under a
+// bf16 rounding of the result. A block's 32 products sum exactly in int32 (vpdpwssd), are
+// converted once, and scaled by s and the block's d: per block 8 vector instructions where
+// expanding the weights to float32 takes 12, so the memory-bound single row runs nearer its floor.
+struct WordRows {
+  std::vector<int16_t> codes;  // [rows, K]
+  std::vector<float> scale;    // [rows, K / 32]: s
+  std::vector<float> sum;      // [rows, K / 32]: s * the block's sum of codes (Q4_1's offset multiplies it)
+};
+
+// x's bf16 rows as WordRows; false where a block holds an infinity or NaN (the float32 path keeps them)
+inline bool quantise_rows(const uint16_t* bits, int64_t rows, int64_t K, WordRows& out) {
+  const int64_t count = rows * K / kBlock;
+  out.codes.resize(rows * K), out.scale.resize(count), out.sum.resize(count);
+  const __m512i magnitude = _mm512_set1_epi16(0x7fff), exponent = _mm512_set1_epi16(0x7f80);
+  for (int64_t b = 0; b < count; ++b) {
+    const __m512i x = _mm512_loadu_si512(bits + b * kBlock);
+    const __m512i mag = _mm512_and_si512(x, magnitude);
+    if (_mm512_cmpeq_epi16_mask(_mm512_and_si512(x, exponent), exponent) != 0) return false;
+    // finite bf16 magnitudes order as their bits do
+    const __m256i m8 = _mm256_max_epu16(_mm512_castsi512_si256(mag), _mm512_extracti64x4_epi64(mag, 1));
+    __m128i m4 = _mm_max_epu16(_mm256_castsi256_si128(m8), _mm256_extracti128_si256(m8, 1));
+    m4 = _mm_max_epu16(m4, _mm_srli_si128(m4, 8));
+    m4 = _mm_max_epu16(m4, _mm_srli_si128(m4, 4));
+    m4 = _mm_max_epu16(m4, _mm_srli_si128(m4, 2));
+    const int largest = std::max((_mm_extract_epi16(m4, 0) >> 7) - 127, -113);  // zeros and subnormals: tiny
+    const __m512 up = _mm512_set1_ps(std::ldexp(1.0f, 14 - largest));
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(x)), 16));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(x, 1)), 16));
+    const __m512i c_lo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, up)), c_hi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, up));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.codes.data() + b * kBlock), _mm512_cvtepi32_epi16(c_lo));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.codes.data() + b * kBlock + 16), _mm512_cvtepi32_epi16(c_hi));
+    out.scale[b] = std::ldexp(1.0f, largest - 14);
+    out.sum[b] = out.scale[b] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(c_lo, c_hi)));
+  }
+  return true;
+}
+
+// acc += s * d * (w . c) (+ m * s * sum c) for one block of R input rows
 template <typename Format, int R>
-__attribute__((always_inline)) inline void rows_times_weight_row(const float* x, int64_t K, const uint8_t* blocks,
-                                                                 const float* bias, at::BFloat16* y, int64_t ldy) {
-  __m512 acc[R][4];
-  for (int i = 0; i < R; ++i)
-    for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 2 * kBlock <= K; k += 2 * kBlock, blocks += 2 * Format::kBytes) {
-    __m512 w[4];
-    Format::floats(blocks, w[0], w[1]);
-    Format::floats(blocks + Format::kBytes, w[2], w[3]);
-    for (int i = 0; i < R; ++i)
-      for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_fmadd_ps(w[c], _mm512_loadu_ps(x + i * K + k + 16 * c), acc[i][c]);
-  }
-  if (k < K) {
-    __m512 w[2];
-    Format::floats(blocks, w[0], w[1]);
-    for (int i = 0; i < R; ++i)
-      for (int c = 0; c < 2; ++c) acc[i][c] = _mm512_fmadd_ps(w[c], _mm512_loadu_ps(x + i * K + k + 16 * c), acc[i][c]);
-  }
+__attribute__((always_inline)) inline void block_times_words(const uint8_t* block, const WordRows& x, int64_t K,
+                                                             int64_t b, __m512 acc[R], __m512 offset[R]) {
+  const int64_t count = K / kBlock;
+  const __m512i w = Format::words(block);
+  const __m512 d = Format::word_scales(block);
   for (int i = 0; i < R; ++i) {
-    float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(acc[i][2], acc[i][3])));
+    const __m512i c = _mm512_loadu_si512(x.codes.data() + i * K + b * kBlock);
+    const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), w, c));
+    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(dot, _mm512_set1_ps(x.scale[i * count + b])), d, acc[i]);
+    if constexpr (Format::kOffset)
+      offset[i] = _mm512_fmadd_ps(_mm512_set1_ps(Format::offset(block)), _mm512_set1_ps(x.sum[i * count + b]), offset[i]);
+  }
+}
+
+// y[i * ldy] = bf16(sum_k x[i, k] * w[k] + bias) for R <= kDotRows rows as WordRows and one
+// output row's blocks, two accumulator chains per row (even and odd blocks)
+template <typename Format, int R>
+__attribute__((always_inline)) inline void rows_times_weight_words(const WordRows& x, int64_t K, const uint8_t* blocks,
+                                                                   const float* bias, at::BFloat16* y, int64_t ldy) {
+  __m512 even[R], odd[R], offset[R];
+  for (int i = 0; i < R; ++i) even[i] = odd[i] = offset[i] = _mm512_setzero_ps();
+  const int64_t count = K / kBlock;
+  int64_t b = 0;
+  for (; b + 2 <= count; b += 2) {
+    block_times_words<Format, R>(blocks + b * Format::kBytes, x, K, b, even, offset);
+    block_times_words<Format, R>(blocks + (b + 1) * Format::kBytes, x, K, b + 1, odd, offset);
+  }
+  if (b < count) block_times_words<Format, R>(blocks + b * Format::kBytes, x, K, b, even, offset);
+  for (int i = 0; i < R; ++i) {
+    float sum = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i])) + _mm512_cvtss_f32(offset[i]);
     if (bias != nullptr) sum += *bias;
     y[i * ldy] = at::BFloat16(sum);
   }
 }
 
-// out[i] = float32(bits[i]) for bf16 bits (exact)
-inline void widen(const uint16_t* bits, int64_t count, float* out) {
-  int64_t i = 0;
-  for (; i + 16 <= count; i += 16) {
-    const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + i));
-    _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16)));
-  }
-  for (; i < count; ++i) out[i] = static_cast<float>(at::BFloat16(bits[i], at::BFloat16::from_bits()));
-}
-
-// Output rows [begin, end) of y = x @ W.T + bias for rows <= kDotRows input rows (x in float32,
-// y in bf16), prefetching the blocks of the output row kPrefetchBytes ahead (at least two rows).
-// Two rows ahead, as before, was under 1 KB for SmolLM2's 432-byte rows, too close to hide memory
-// latency: on the AMX Xeon one forward's 1-row projections took 0.49-0.55x oneDNN's packed bf16
-// time with it, 0.33-0.43x with 6-10 rows (bench.gguf_linear, alternating runs on a noisy machine).
-constexpr int64_t kPrefetchBytes = 4096;
-
+// Output rows [begin, end) of y = x @ W.T + bias for rows <= kDotRows WordRows
 template <typename Format>
-void output_rows(const float* x, int64_t rows, int64_t K, const uint8_t* blocks, const float* bias, at::BFloat16* y,
-                 int64_t N, int64_t begin, int64_t end) {
-  const int64_t row_bytes = K / kBlock * Format::kBytes, lines = (row_bytes + 63) / 64;
-  const int64_t ahead = std::max<int64_t>(2, (kPrefetchBytes + row_bytes - 1) / row_bytes);
+void output_word_rows(const WordRows& x, int64_t rows, int64_t K, const uint8_t* blocks, const float* bias,
+                      at::BFloat16* y, int64_t N, int64_t begin, int64_t end) {
+  const RowPrefetch prefetch(K / kBlock * Format::kBytes);
   for (int64_t n = begin; n < end; ++n) {
-    const uint8_t* w = blocks + n * row_bytes;
-    if (n + ahead < end)
-      for (int64_t line = 0; line < lines; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(w + ahead * row_bytes) + 64 * line, _MM_HINT_T0);
+    const uint8_t* w = blocks + n * (K / kBlock * Format::kBytes);
+    prefetch(w, n, end);
     const float* b = bias == nullptr ? nullptr : bias + n;
     switch (rows) {
-      case 4: rows_times_weight_row<Format, 4>(x, K, w, b, y + n, N); break;
-      case 3: rows_times_weight_row<Format, 3>(x, K, w, b, y + n, N); break;
-      case 2: rows_times_weight_row<Format, 2>(x, K, w, b, y + n, N); break;
-      default: rows_times_weight_row<Format, 1>(x, K, w, b, y + n, N); break;
+      case 4: rows_times_weight_words<Format, 4>(x, K, w, b, y + n, N); break;
+      case 3: rows_times_weight_words<Format, 3>(x, K, w, b, y + n, N); break;
+      case 2: rows_times_weight_words<Format, 2>(x, K, w, b, y + n, N); break;
+      default: rows_times_weight_words<Format, 1>(x, K, w, b, y + n, N); break;
     }
   }
 }
@@ -608,11 +701,11 @@ bool has_amx_tiles() {
 #endif
 }
 
-// True where this CPU runs the bf16 panels (AVX512-BF16)
+// True where this CPU runs the bf16 panels and word rows (AVX512-BF16 and AVX512-VNNI)
 bool has_bf16_panels() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                          __builtin_cpu_supports("avx512bf16");
+                          __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
   return has;
 }
 
@@ -678,36 +771,35 @@ at::Tensor bf16_block_linear(const at::Tensor& x, const at::Tensor& blocks, cons
   return out;
 }
 
-// x @ W.T + bias in bf16 for up to bf16::kDotRows rows, in float32 16-wide, x validated. x is
-// widened to float32 and y rounded to bf16 here, not by ATen copies around the call: a batch-1
-// step makes 121 of these calls, and two tensor copies each cost more than the widening itself.
-// The result is the same bits as the copies gave (bf16 -> float32 is exact; the sum plus the
-// bias is rounded once, to nearest-even, as Tensor.to rounds).
-at::Tensor bf16_rows_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
-                            Kind kind) {
+// x @ W.T + bias in bf16 for up to bf16::kDotRows rows as integers (bf16::WordRows), x
+// validated; an undefined tensor where x holds an infinity or NaN. x is quantised and y rounded
+// to bf16 here, not by ATen copies around the call: a batch-1 step makes 121 of these calls, and
+// two tensor copies each cost more than the quantising itself.
+at::Tensor bf16_word_rows_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
+                                 Kind kind) {
   const int64_t K = x.size(1), N = blocks.size(0), rows = x.size(0);
   const at::Tensor input = x.contiguous();
-  std::vector<float> wide(rows * K);
-  bf16::widen(reinterpret_cast<const uint16_t*>(input.data_ptr<at::BFloat16>()), rows * K, wide.data());
+  bf16::WordRows quantised;
+  if (!bf16::quantise_rows(reinterpret_cast<const uint16_t*>(input.data_ptr<at::BFloat16>()), rows, K, quantised))
+    return {};
   at::Tensor bias32;
   if (bias.has_value() && bias->defined()) bias32 = bias->to(at::kFloat).contiguous();
   at::Tensor out = at::empty({rows, N}, x.options());
-  const float* xp = wide.data();
   const float* biasp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   at::BFloat16* yp = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     with_format(kind, [&](auto f) {
-      bf16::output_rows<typename decltype(f)::avx512>(xp, rows, K, bp, biasp, yp, N, begin, end);
+      bf16::output_word_rows<typename decltype(f)::avx512>(quantised, rows, K, bp, biasp, yp, N, begin, end);
     });
   });
   return out;
 }
 
 // x @ W.T + bias from the blocks, for any number of rows, in x's dtype: float32, or bf16 (where
-// the CPU has AVX512-BF16: up to bf16::kDotRows rows 16-wide in float32, up to amx::kRows on the AMX
-// tiles where the CPU has them, more on the bf16 panels;
-// elsewhere in float32 on AVX2; rounded to bf16 after float32)
+// the CPU has AVX512-BF16: up to bf16::kDotRows finite rows as integers, up to amx::kRows on the
+// AMX tiles where the CPU has them, more on the bf16 panels; elsewhere, and for rows holding an
+// infinity or NaN, in float32 on AVX2, rounded to bf16 after float32)
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "block_linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
@@ -725,9 +817,13 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std
               bias.has_value() && bias->defined() ? bias->numel() : 0, " values, the blocks ", N, " outputs");
   if (x.scalar_type() == at::kFloat) return float_block_linear(x, blocks, bias, kind);
   if (has_bf16_panels() && rows > 0) {
-    if (rows <= bf16::kDotRows) return bf16_rows_linear(x, blocks, bias, kind);
-    const bool on_tiles = tiles_serve(x, blocks);
-    if (on_tiles || N % bf16::kPanel == 0) return bf16_block_linear(x, blocks, bias, kind, on_tiles);
+    if (rows <= bf16::kDotRows) {
+      at::Tensor out = bf16_word_rows_linear(x, blocks, bias, kind);
+      if (out.defined()) return out;
+    } else {
+      const bool on_tiles = tiles_serve(x, blocks);
+      if (on_tiles || N % bf16::kPanel == 0) return bf16_block_linear(x, blocks, bias, kind, on_tiles);
+    }
   }
   std::optional<at::Tensor> bias32;
   if (bias.has_value() && bias->defined()) bias32 = bias->to(at::kFloat);
