@@ -315,7 +315,7 @@ def export_openvino_model(python: str, out: Path) -> None:
                     "text-generation-with-past", "--weight-format", "fp16", str(out)], check=True)
 
 
-def run_round(engine: str, seed: int, python: str, model: Path, llama_server: str | None = None) -> dict:
+def run_round(engine: str, seed: int, python: str, model: Path | str, llama_server: str | None = None) -> dict:
     command = [python, str(Path(__file__).resolve()), "--worker", engine, "--seed", str(seed), "--model", str(model)]
     if llama_server is not None:
         command += ["--llama-server", llama_server]
@@ -396,9 +396,9 @@ def main() -> None:
     from flexpage.model.loader import _default_gguf_path, resolve_model_path
 
     gguf = args.gguf or _default_gguf_path()
-    own = args.gguf or Path()  # flexpage's model: empty for the default
+    own = args.gguf or ""  # flexpage's model: empty for the default (Path() would be ".")
     # engine -> (its python, its model)
-    engines: dict[str, tuple[str, Path]] = {"flexpage": (sys.executable, own)}
+    engines: dict[str, tuple[str, Path | str]] = {"flexpage": (sys.executable, own)}
     if args.layered:
         engines["flexpage-layered"] = (sys.executable, own)
     if args.float32:
