@@ -6,7 +6,8 @@
   an embedding kept as blocks gives exactly its table's rows. bf16 rows computed from the
   blocks see exactly the bf16 model's weights (on the bf16 panels) and match float64 to bf16
   rounding; up to 4 rows, quantised to 16-bit integers per 32-wide block, err by at most 2^-15
-  of a block's largest input (and infinities and NaNs come out as float64 gives them). A Q4_0 block is read as the Q4_1 block with ``m = -8 d``: the same weights. Where the blocks do not serve every row count in bf16, a bf16 projection packed
+  of a block's largest input (and infinities and NaNs come out as float64 gives them). Rows
+  from ``valid_rows`` on (a compiled step's padding) are left zero, not computed. A Q4_0 block is read as the Q4_1 block with ``m = -8 d``: the same weights. Where the blocks do not serve every row count in bf16, a bf16 projection packed
   for oneDNN keeps both and computes up to ``MAX_BLOCK_ROWS`` rows from the blocks, more from
   the packed weight: eagerly and in a compiled graph, the same bits.
 * The tensor table is read as ``gguf.GGUFReader`` reads it (without its metadata values).
@@ -211,6 +212,21 @@ def test_few_bf16_rows_err_by_at_most_two_to_the_minus_15_of_each_blocks_largest
     input_error = (block_largest * 2.0 ** -15) @ weight.abs().T
     sum_error = 2.0 ** -20 * (x.double().abs() @ weight.abs().T)  # float32 sums of the blocks
     assert torch.all((out - exact).abs() <= exact.abs() * 2.0 ** -8 + input_error + sum_error)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "valid"), [(2, 1), (8, 5), (3, 0), (4, 4), (2, 9)])
+def test_rows_from_valid_rows_on_are_padding_left_zero(dtype, rows, valid):
+    """A compiled step pads a batch-1 decode to two rows; told how many are real, the kernel
+    computes those (the same bits as alone) and leaves the padding zero."""
+    blocks = gguf_linear.repack("Q4_1", _blocks("Q4_1", 64, 96))
+    x, bias = torch.randn(rows, 96, dtype=dtype), torch.randn(64, dtype=dtype)
+    out = gguf_linear.block_linear(x, blocks, bias, torch.tensor(valid))
+    computed = min(valid, rows)
+    assert torch.equal(out[:computed], gguf_linear.block_linear(x[:computed], blocks, bias))
+    assert torch.equal(out[computed:], torch.zeros(rows - computed, 64, dtype=dtype))
+    with pytest.raises(RuntimeError, match="valid_rows must hold one integer"):
+        gguf_linear.block_linear(x, blocks, bias, torch.tensor([1, 2]))
 
 
 @pytest.mark.parametrize("rows", [3, 30])  # bf16: the few-row kernel and the panels

@@ -30,7 +30,10 @@ What makes the graph cheap to build and to run:
 * **Two graphs per model.** Token rows are padded to the packed linears' buckets
   (:func:`~flexpage.model.packed_linear.padded_rows`) outside the graph, the per-step sizes
   are dynamic and padded to at least 2 (Dynamo specialises a size of 1), and tensors keep
-  standard strides: one graph for decode steps, one for steps with prefill rows. A prefill-only
+  standard strides: one graph for decode steps, one for steps with prefill rows. The
+  projections that read blocks are told the rows before the padding (two one-value tensors,
+  not sizes the graph specialises on) and skip the rest: a batch-1 decode step computes one
+  row, not two (a 1B Llama's projections: ~40 vs ~50 ms). A prefill-only
   step runs the mixed steps' graph beside an idle decode group
   (:func:`~flexpage.attention.paging.idle_decode_group`): a third graph cost ~10 s of a cold
   start for no speed (deterministic mode keeps its own prefill graph).
@@ -172,6 +175,8 @@ class CompiledStep:
         kv_rows = _at_least_two(torch.arange(tokens))
         step_inputs = [token_ids, cos, sin, _at_least_two(batch.slots), kv_rows, sample_rows]
         dynamic = [(t, 0) for t in step_inputs]
+        # the rows before the padding, for the projections that compute from blocks
+        valid = [torch.tensor(tokens), torch.tensor(sampled)]
         groups = batch.groups
         if self.shape.row_tile is None and [_kind(g) for g in groups] == ["prefill"]:
             groups = (idle_decode_group(batch), *groups)  # the mixed steps' program: one fewer to compile
@@ -179,7 +184,8 @@ class CompiledStep:
         for group in groups:
             plan.extend(_PLANS[_kind(group)](group, dynamic))  # type: ignore[index]
         program = _program(self.shape, tuple((_kind(g), g.q_block, g.kv_block) for g in groups), self.layout)
-        return program, [self.embed, self.layer_weights, self.layer_pools, self.head, *step_inputs, *plan], dynamic
+        args = [self.embed, self.layer_weights, self.layer_pools, self.head, *step_inputs, *valid, *plan]
+        return program, args, dynamic
 
     def _padded_rows(self, rows: int) -> int:
         """The rows a projection computes for ``rows`` inputs: the packed linears' bucket (one
@@ -321,9 +327,13 @@ def _forward(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
     group_size = heads // kv_heads
     kernel_options = dict(shape.kernel_options)
 
-    def linear(x: Tensor, weight: Tensor | None, blocks: Tensor | None, bias: Tensor | None) -> Tensor:
+    def linear(x: Tensor, weight: Tensor | None, blocks: Tensor | None, bias: Tensor | None, valid_rows: Tensor,
+               ) -> Tensor:
+        """``x @ weight.T + bias``; where from blocks, rows from ``valid_rows`` on (padding) are not computed."""
         if blocks is not None:
-            return block_linear(x, blocks, bias) if weight is None else block_or_packed_linear(x, blocks, weight, bias)
+            if weight is None:
+                return block_linear(x, blocks, bias, valid_rows)
+            return block_or_packed_linear(x, blocks, weight, bias, valid_rows)
         if shape.row_tile is not None:
             return tiled_linear(x, weight, bias, shape.packed, shape.row_tile)
         if shape.packed:
@@ -389,11 +399,11 @@ def _forward(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
         return out.index_select(0, scatter_rows), scatter_tokens
 
     @torch.compiler.nested_compile_region
-    def attention_inputs(hidden: Tensor, cos: Tensor, sin: Tensor, input_norm: Tensor, qkv_w: Tensor,
-                         qkv_blocks: Tensor | None, qkv_b: Tensor | None, q_norm: Tensor | None, k_norm: Tensor | None,
-                         ) -> tuple[Tensor, Tensor, Tensor]:
+    def attention_inputs(hidden: Tensor, valid_rows: Tensor, cos: Tensor, sin: Tensor, input_norm: Tensor,
+                         qkv_w: Tensor, qkv_blocks: Tensor | None, qkv_b: Tensor | None, q_norm: Tensor | None,
+                         k_norm: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         rows = hidden.shape[0]
-        qkv = linear(norm(hidden, input_norm), qkv_w, qkv_blocks, qkv_b)
+        qkv = linear(norm(hidden, input_norm), qkv_w, qkv_blocks, qkv_b, valid_rows)
         qk = qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim)
         if shape.qk_norm:
             qk = torch.cat((norm(qk[:, :heads], q_norm), norm(qk[:, heads:], k_norm)), 1)
@@ -402,7 +412,7 @@ def _forward(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
         return qk[:, :heads].contiguous(), qk[:, heads:].contiguous(), v.contiguous()
 
     @torch.compiler.nested_compile_region
-    def attention_and_mlp(hidden: Tensor, q: Tensor, k_pool: Tensor, v_pool: Tensor, o_w: Tensor,
+    def attention_and_mlp(hidden: Tensor, valid_rows: Tensor, q: Tensor, k_pool: Tensor, v_pool: Tensor, o_w: Tensor,
                           o_blocks: Tensor | None, o_b: Tensor | None, post_norm: Tensor, gate_up_w: Tensor,
                           gate_up_blocks: Tensor | None, gate_up_b: Tensor | None, down_w: Tensor,
                           down_blocks: Tensor | None, down_b: Tensor | None, value_scale: Tensor | None,
@@ -421,12 +431,13 @@ def _forward(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
             out = out.index_copy(0, tokens, rows_out)
         if value_scale is not None:  # an int8 pool: the values' scales, folded out of the kernels
             out = scale_output(out.view(-1, heads, dim), value_scale).view(out.shape)
-        hidden = hidden + reduce(linear(out, o_w, o_blocks, o_b))
-        gate, up = linear(norm(hidden, post_norm), gate_up_w, gate_up_blocks, gate_up_b).chunk(2, -1)
-        return hidden + reduce(linear(F.silu(gate) * up, down_w, down_blocks, down_b))
+        hidden = hidden + reduce(linear(out, o_w, o_blocks, o_b, valid_rows))
+        gate, up = linear(norm(hidden, post_norm), gate_up_w, gate_up_blocks, gate_up_b, valid_rows).chunk(2, -1)
+        return hidden + reduce(linear(F.silu(gate) * up, down_w, down_blocks, down_b, valid_rows))
 
     def forward(embed: Tensor, layer_weights: tuple, layer_pools: tuple, head: tuple, token_ids: Tensor,
-                cos: Tensor, sin: Tensor, slots: Tensor, kv_rows: Tensor, sample_rows: Tensor, *plan: Tensor) -> Tensor:
+                cos: Tensor, sin: Tensor, slots: Tensor, kv_rows: Tensor, sample_rows: Tensor, valid_rows: Tensor,
+                valid_samples: Tensor, *plan: Tensor) -> Tensor:
         if embed.dtype == torch.uint8:  # GGUF blocks
             hidden = embedding(token_ids, embed, shape.hidden)
         elif shape.parallel is None:
@@ -436,7 +447,8 @@ def _forward(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
         for weights, (k_pool, v_pool, *kv_scales) in zip(layer_weights, layer_pools):
             (input_norm, qkv_w, qkv_blocks, qkv_b, q_norm, k_norm, o_w, o_blocks, o_b, post_norm, gu_w, gu_blocks, gu_b,
              down_w, down_blocks, down_b) = weights
-            q, k, v = attention_inputs(hidden, cos, sin, input_norm, qkv_w, qkv_blocks, qkv_b, q_norm, k_norm)
+            q, k, v = attention_inputs(hidden, valid_rows, cos, sin, input_norm, qkv_w, qkv_blocks, qkv_b, q_norm,
+                                       k_norm)
             k, v = k.index_select(0, kv_rows), v.index_select(0, kv_rows)
             value_scale = None
             if kv_scales:  # an int8 pool (see the module docstring)
@@ -445,10 +457,10 @@ def _forward(shape: _Shape, groups: tuple[tuple[str, int, int], ...]) -> Callabl
             # in place, on tensors that alias nothing else in the graph (see the module docstring)
             k_pool.index_copy_(2, slots, k.transpose(0, 1)[None])
             v_pool.index_copy_(2, slots, v.transpose(0, 1)[None])
-            hidden = attention_and_mlp(hidden, q, k_pool, v_pool, o_w, o_blocks, o_b, post_norm, gu_w, gu_blocks, gu_b,
-                                       down_w, down_blocks, down_b, value_scale, *plan)
+            hidden = attention_and_mlp(hidden, valid_rows, q, k_pool, v_pool, o_w, o_blocks, o_b, post_norm, gu_w,
+                                       gu_blocks, gu_b, down_w, down_blocks, down_b, value_scale, *plan)
         final_norm, lm_w, lm_blocks, lm_b = head
-        logits = linear(norm(hidden[sample_rows], final_norm), lm_w, lm_blocks, lm_b)
+        logits = linear(norm(hidden[sample_rows], final_norm), lm_w, lm_blocks, lm_b, valid_samples)
         if shape.parallel is None:
             return logits
         return shape.parallel.gather_columns(logits)[:, : shape.vocab_size]

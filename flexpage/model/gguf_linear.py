@@ -105,28 +105,31 @@ def blocks_at_every_row(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and describe().bf16_blocks_at_every_row(bool(torch.ops.flexpage.has_bf16_panels()))
 
 
-def _block_linear_shape(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
+def _block_linear_shape(x: Tensor, blocks: Tensor, bias: Tensor | None, valid_rows: Tensor | None = None) -> Tensor:
     return x.new_empty(x.shape[0], blocks.shape[0])
 
 
 def _block_or_packed_linear_shape(x: Tensor, blocks: Tensor, packed: Tensor, bias: Tensor | None,
-                                  max_block_rows: int) -> Tensor:
+                                  max_block_rows: int, valid_rows: Tensor | None = None) -> Tensor:
     return x.new_empty(x.shape[0], blocks.shape[0])
 
 
-def block_linear(x: Tensor, blocks: Tensor, bias: Tensor | None = None) -> Tensor:
+def block_linear(x: Tensor, blocks: Tensor, bias: Tensor | None = None, valid_rows: Tensor | None = None) -> Tensor:
     """``x @ W.T + bias`` in ``x``'s dtype (float32 or bf16) for ``W`` given as the kernel's blocks
-    (:func:`repack`), Q4_1 ``[out, in / 32 * 24]`` or Q8_0 ``[out, in / 32 * 36]``. Needs
-    :func:`available`."""
-    return torch.ops.flexpage.block_linear(x, blocks, bias)
+    (:func:`repack`), Q4_1 ``[out, in / 32 * 24]`` or Q8_0 ``[out, in / 32 * 36]``. ``valid_rows``
+    (a one-value integer tensor: a compiled step's row count before its padding): the rows from
+    it on are padding, their outputs zeros and not computed. Needs :func:`available`."""
+    return torch.ops.flexpage.block_linear(x, blocks, bias, valid_rows)
 
 
-def block_or_packed_linear(x: Tensor, blocks: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
+def block_or_packed_linear(x: Tensor, blocks: Tensor, packed: Tensor, bias: Tensor | None = None,
+                           valid_rows: Tensor | None = None) -> Tensor:
     """``x @ W.T + bias`` in ``x``'s dtype for ``W`` given twice: as the kernel's blocks, read for up
-    to :data:`MAX_BLOCK_ROWS` rows (:func:`block_linear`; bf16 on AMX CPUs: up to 16, on the
-    tiles), and packed for oneDNN (``packed``, ``x``'s dtype) for more. One operator that picks per call, so one compiled
-    graph serves batch-1 decode and prefill alike. Needs :func:`available`."""
-    return torch.ops.flexpage.block_or_packed_linear(x, blocks, packed, bias, MAX_BLOCK_ROWS)
+    to :data:`MAX_BLOCK_ROWS` rows (:func:`block_linear`, ``valid_rows`` as there; bf16 on AMX
+    CPUs: up to 16, on the tiles), and packed for oneDNN (``packed``, ``x``'s dtype) for more,
+    padding rows and all. One operator that picks per call, so one compiled graph serves
+    batch-1 decode and prefill alike. Needs :func:`available`."""
+    return torch.ops.flexpage.block_or_packed_linear(x, blocks, packed, bias, MAX_BLOCK_ROWS, valid_rows)
 
 
 def embedding(token_ids: Tensor, blocks: Tensor, features: int) -> Tensor:

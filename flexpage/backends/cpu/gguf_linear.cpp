@@ -403,7 +403,7 @@ struct Q8_16 : Pairs<Q8_16> {
 };
 
 // Few bf16 rows as integers (word_rows): each 32-wide block of x becomes 32 int16 codes c times a
-// power of two s, 2^(14 - E) for the block's largest exponent E, so c = x / s exactly wherever x's
+// power of two s = 2^(E - 14) for the block's largest exponent E, so c = x / s exactly wherever x's
 // exponent is at least E - 7 (a bf16 value has 8 significant bits), and c is rounded to nearest
 // where smaller: an error of at most s / 2 = 2^-15 of the block's largest magnitude, far under a
 // bf16 rounding of the result. A block's 32 products sum exactly in int32 (vpdpwssd), are
@@ -801,11 +801,23 @@ at::Tensor bf16_word_rows_linear(const at::Tensor& x, const at::Tensor& blocks, 
   return out;
 }
 
+// The rows of x before valid_rows (a one-value integer tensor; all where undefined): a compiled
+// step pads its rows to a size its graph serves (a batch-1 decode to two rows), and the padding
+// rows need no product
+int64_t rows_to_compute(const at::Tensor& x, const std::optional<at::Tensor>& valid_rows) {
+  if (!valid_rows.has_value() || !valid_rows->defined()) return x.size(0);
+  TORCH_CHECK(valid_rows->numel() == 1 && !at::isFloatingType(valid_rows->scalar_type()),
+              "block_linear: valid_rows must hold one integer, got ", valid_rows->sizes(), " ", valid_rows->scalar_type());
+  return std::clamp<int64_t>(valid_rows->item<int64_t>(), 0, x.size(0));
+}
+
 // x @ W.T + bias from the blocks, for any number of rows, in x's dtype: float32, or bf16 (where
 // the CPU has AVX512-BF16: up to bf16::kDotRows finite rows as integers, up to amx::kRows on the
 // AMX tiles where the CPU has them, more on the bf16 panels; elsewhere, and for rows holding an
-// infinity or NaN, in float32 on AVX2, rounded to bf16 after float32)
-at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias) {
+// infinity or NaN, in float32 on AVX2, rounded to bf16 after float32). Rows from valid_rows on
+// are padding: their outputs are zeros, not computed.
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
+                        const std::optional<at::Tensor>& valid_rows) {
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "block_linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "block_linear: x must be float32 or bfloat16, got ", x.scalar_type());
@@ -820,6 +832,12 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std
   // the bf16 kernels read the bias by pointer, one value per output
   TORCH_CHECK(!(bias.has_value() && bias->defined()) || bias->numel() == N, "block_linear: bias has ",
               bias.has_value() && bias->defined() ? bias->numel() : 0, " values, the blocks ", N, " outputs");
+  const int64_t valid = rows_to_compute(x, valid_rows);
+  if (valid < rows) {
+    at::Tensor out = at::zeros({rows, N}, x.options());
+    if (valid > 0) out.narrow(0, 0, valid).copy_(block_linear(x.narrow(0, 0, valid), blocks, bias, std::nullopt));
+    return out;
+  }
   if (x.scalar_type() == at::kFloat) return float_block_linear(x, blocks, bias, kind);
   if (has_bf16_panels() && rows > 0) {
     if (rows <= bf16::kDotRows) {
@@ -895,10 +913,12 @@ bool blocks_match(const at::Tensor& blocks, const at::Tensor& weight) {
 // max_block_rows rows are computed from the blocks in float32 (memory-bound, and the blocks are
 // ~40% of bf16's bytes), and bf16 rows up to amx::kRows on the AMX tiles where the CPU has them
 // (tiles_serve); more rows by oneDNN's packed kernel on `packed` (compute-bound, where bf16 runs
-// at twice float32's rate). One operator, so that one compiled graph serves all.
+// at twice float32's rate). One operator, so that one compiled graph serves all. valid_rows as
+// block_linear's where the blocks compute (oneDNN computes the padding rows too).
 at::Tensor block_or_packed_linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& packed,
-                                  const std::optional<at::Tensor>& bias, int64_t max_block_rows) {
-  if (x.size(0) <= max_block_rows || tiles_serve(x, blocks)) return block_linear(x, blocks, bias);
+                                  const std::optional<at::Tensor>& bias, int64_t max_block_rows,
+                                  const std::optional<at::Tensor>& valid_rows) {
+  if (x.size(0) <= max_block_rows || tiles_serve(x, blocks)) return block_linear(x, blocks, bias, valid_rows);
   static const auto linear = c10::Dispatcher::singleton()
       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
@@ -909,8 +929,9 @@ at::Tensor block_or_packed_linear(const at::Tensor& x, const at::Tensor& blocks,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(flexpage, m) {
-  m.def("block_linear(Tensor x, Tensor blocks, Tensor? bias) -> Tensor");
-  m.def("block_or_packed_linear(Tensor x, Tensor blocks, Tensor packed, Tensor? bias, int max_block_rows) -> Tensor");
+  m.def("block_linear(Tensor x, Tensor blocks, Tensor? bias, Tensor? valid_rows=None) -> Tensor");
+  m.def("block_or_packed_linear(Tensor x, Tensor blocks, Tensor packed, Tensor? bias, int max_block_rows, "
+        "Tensor? valid_rows=None) -> Tensor");
   m.def("blocks_match(Tensor blocks, Tensor weight) -> bool");
   m.def("has_bf16_panels() -> bool");
 }
