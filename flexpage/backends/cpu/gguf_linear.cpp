@@ -126,22 +126,22 @@ class RowPrefetch {
  public:
   // for output rows [begin, end) of row_bytes each
   RowPrefetch(int64_t row_bytes, int64_t begin, int64_t end)
-      : row_bytes_(row_bytes), lines_((row_bytes + 63) / 64),
+      : row_bytes_(row_bytes), lines_((row_bytes + 63) / 64), end_(end),
         near_(std::max<int64_t>(2, (kNearBytes + row_bytes - 1) / row_bytes)),
         far_((end - begin) * row_bytes >= kFarStreamBytes ? std::max<int64_t>(2, (kFarBytes + row_bytes - 1) / row_bytes)
                                                           : end - begin) {}
 
-  // before reading output row n of those up to `end`, whose blocks start at `row`
-  __attribute__((always_inline)) inline void operator()(const uint8_t* row, int64_t n, int64_t end) const {
+  // before reading output row n, whose blocks start at `row`
+  __attribute__((always_inline)) inline void operator()(const uint8_t* row, int64_t n) const {
     const char* bytes = reinterpret_cast<const char*>(row);
-    if (n + near_ < end)
+    if (n + near_ < end_)
       for (int64_t line = 0; line < lines_; ++line) _mm_prefetch(bytes + near_ * row_bytes_ + 64 * line, _MM_HINT_T0);
-    if (n + far_ < end)
+    if (n + far_ < end_)
       for (int64_t line = 0; line < lines_; ++line) _mm_prefetch(bytes + far_ * row_bytes_ + 64 * line, _MM_HINT_T1);
   }
 
  private:
-  int64_t row_bytes_, lines_, near_, far_;
+  int64_t row_bytes_, lines_, end_, near_, far_;
 };
 
 // y[i * ldy] = sum_k x[i, k] * w[k] for R input rows and one output row's blocks. Each block's
@@ -179,7 +179,7 @@ void output_rows(const float* x, int64_t rows, int64_t K, const uint8_t* blocks,
   const RowPrefetch prefetch(row_bytes, begin, end);
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* w = blocks + n * row_bytes;
-    prefetch(w, n, end);
+    prefetch(w, n);
     int64_t i = 0;
     for (; i + 4 <= rows; i += 4) rows_times_weight_row<Format, 4>(x + i * K, K, w, y + i * N + n, N);
     switch (rows - i) {
@@ -487,7 +487,7 @@ void output_word_rows(const WordRows& x, int64_t rows, int64_t K, const uint8_t*
   const RowPrefetch prefetch(K / kBlock * Format::kBytes, begin, end);
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* w = blocks + n * (K / kBlock * Format::kBytes);
-    prefetch(w, n, end);
+    prefetch(w, n);
     const float* b = bias == nullptr ? nullptr : bias + n;
     switch (rows) {
       case 4: rows_times_weight_words<Format, 4>(x, K, w, b, y + n, N); break;
