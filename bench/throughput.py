@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from flexpage import LLM, SamplingParams
+from flexpage.frame_stack import reserved_frame_stack
 from flexpage.model.loader import load_hf_model, resolve_model_path
 from flexpage.model.packed_linear import PackedLinear
 
@@ -48,6 +49,7 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+@reserved_frame_stack
 def run_flexpage(llm: LLM, workload: list[tuple[list[int], int]], step_shapes: list | None = None) -> dict:
     """Run ``workload`` to completion; ``step_shapes`` (if given) collects each forward's
     (tokens, sampled rows), for :func:`workload_matmul_seconds`."""

@@ -8,6 +8,7 @@ from flexpage import background
 from flexpage.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from flexpage.config import EngineConfig
 from flexpage.engine import LLMEngine, PromptInput
+from flexpage.frame_stack import reserved_frame_stack
 from flexpage.outputs import RequestOutput
 from flexpage.sampling_params import SamplingParams
 
@@ -24,6 +25,7 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    @reserved_frame_stack
     def generate(
         self,
         prompts: PromptInput | Seq[PromptInput],

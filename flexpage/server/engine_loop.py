@@ -36,6 +36,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
+from flexpage.frame_stack import reserved_frame_stack
 from flexpage.model.tensor_parallel import RankFailure
 from flexpage.outputs import Logprob, RequestOutput, SpeculationCounts
 
@@ -251,6 +252,7 @@ class EngineLoop:
             self._thread.join(timeout)
 
     # -- the engine thread ----------------------------------------------------------------
+    @reserved_frame_stack
     def _run(self) -> None:
         if self.thread_init is not None:
             self.thread_init()
