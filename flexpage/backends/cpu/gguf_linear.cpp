@@ -32,6 +32,7 @@
 #include <cmath>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -714,13 +715,12 @@ bool has_bf16_panels() {
   return has;
 }
 
-// x @ W.T + bias in float32, x validated
-at::Tensor float_block_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
-                              Kind kind) {
-  const int64_t K = x.size(1), N = blocks.size(0), rows = x.size(0);
+// Rows [0, rows) of y = x @ W.T + bias in float32 into out's first rows, x validated
+void float_block_linear(const at::Tensor& x, int64_t rows, const at::Tensor& blocks,
+                        const std::optional<at::Tensor>& bias, Kind kind, at::Tensor& out) {
+  const int64_t K = x.size(1), N = blocks.size(0);
+  if (rows == 0 || N == 0) return;
   const at::Tensor input = x.contiguous();
-  at::Tensor out = at::empty({rows, N}, x.options());
-  if (rows == 0 || N == 0) return out;
   const float* xp = input.data_ptr<float>();
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* yp = out.data_ptr<float>();
@@ -733,25 +733,27 @@ at::Tensor float_block_linear(const at::Tensor& x, const at::Tensor& blocks, con
       with_format(kind, [&](auto f) { output_rows<typename decltype(f)::avx2>(xp, rows, K, bp, yp, N, begin, end); });
     });
   }
-  if (bias.has_value() && bias->defined()) out.add_(*bias);
-  return out;
+  if (bias.has_value() && bias->defined()) (rows == out.size(0) ? out : out.narrow(0, 0, rows)).add_(*bias);
 }
 
-// True where x (bf16, more rows than bf16::kDotRows, at most amx::kRows) runs on the AMX tiles
-bool tiles_serve(const at::Tensor& x, const at::Tensor& blocks) {
-  return x.scalar_type() == at::kBFloat16 && x.size(0) > bf16::kDotRows && x.size(0) <= amx::kRows &&
+// True where `rows` bf16 rows (more than bf16::kDotRows, at most amx::kRows) run on the AMX tiles
+bool tiles_serve(int64_t rows, at::ScalarType dtype, const at::Tensor& blocks) {
+  return dtype == at::kBFloat16 && rows > bf16::kDotRows && rows <= amx::kRows &&
          blocks.size(0) % amx::kOutputs == 0 && has_bf16_panels() && has_amx_tiles();
 }
 
-// x @ W.T + bias in bf16 on the AMX tiles (on_tiles: tiles_serve(x, blocks)) or else the bf16
-// panels, x validated
-at::Tensor bf16_block_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
-                             Kind kind, bool on_tiles) {
-  const int64_t K = x.size(1), N = blocks.size(0), rows = x.size(0);
+// The bias as float32, contiguous (the bf16 kernels read it by pointer); undefined without one
+at::Tensor float_bias(const std::optional<at::Tensor>& bias) {
+  return bias.has_value() && bias->defined() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+}
+
+// Rows [0, rows) of y = x @ W.T + bias in bf16 into out's first rows, on the AMX tiles (on_tiles:
+// tiles_serve) or else the bf16 panels, x validated
+void bf16_block_linear(const at::Tensor& x, int64_t rows, const at::Tensor& blocks,
+                       const std::optional<at::Tensor>& bias, Kind kind, bool on_tiles, at::Tensor& out) {
+  const int64_t K = x.size(1), N = blocks.size(0);
   const at::Tensor input = x.contiguous();
-  at::Tensor bias32;
-  if (bias.has_value() && bias->defined()) bias32 = bias->to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({rows, N}, x.options());
+  const at::Tensor bias32 = float_bias(bias);
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(input.data_ptr<at::BFloat16>());  // pairs along k
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   const float* biasp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
@@ -765,7 +767,7 @@ at::Tensor bf16_block_linear(const at::Tensor& x, const at::Tensor& blocks, cons
         amx::output_tiles<typename decltype(f)::avx512>(x_pairs.data(), rows, K, bp, biasp, yp, N, begin, end);
       });
     });
-    return out;
+    return;
   }
 #endif
   at::parallel_for(0, N / bf16::kPanel, 1, [&](int64_t begin, int64_t end) {
@@ -773,23 +775,21 @@ at::Tensor bf16_block_linear(const at::Tensor& x, const at::Tensor& blocks, cons
       bf16::output_panels<typename decltype(f)::avx512>(xp, rows, K, bp, biasp, yp, N, begin, end);
     });
   });
-  return out;
 }
 
-// x @ W.T + bias in bf16 for up to bf16::kDotRows rows as integers (bf16::WordRows), x
-// validated; an undefined tensor where x holds an infinity or NaN. x is quantised and y rounded
-// to bf16 here, not by ATen copies around the call: a batch-1 step makes 121 of these calls, and
-// two tensor copies each cost more than the quantising itself.
-at::Tensor bf16_word_rows_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
-                                 Kind kind) {
-  const int64_t K = x.size(1), N = blocks.size(0), rows = x.size(0);
+// Rows [0, rows) of y = x @ W.T + bias in bf16, for up to bf16::kDotRows rows as integers
+// (bf16::WordRows), into out's first rows, x validated; false (nothing written) where those
+// rows hold an infinity or NaN. x is quantised and y rounded to bf16 here, not by ATen copies
+// around the call: a batch-1 step makes 121 of these calls, and two tensor copies each cost
+// more than the quantising itself.
+bool bf16_word_rows_linear(const at::Tensor& x, int64_t rows, const at::Tensor& blocks,
+                           const std::optional<at::Tensor>& bias, Kind kind, at::Tensor& out) {
+  const int64_t K = x.size(1), N = blocks.size(0);
   const at::Tensor input = x.contiguous();
   bf16::WordRows quantised;
   if (!bf16::quantise_rows(reinterpret_cast<const uint16_t*>(input.data_ptr<at::BFloat16>()), rows, K, quantised))
-    return {};
-  at::Tensor bias32;
-  if (bias.has_value() && bias->defined()) bias32 = bias->to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({rows, N}, x.options());
+    return false;
+  const at::Tensor bias32 = float_bias(bias);
   const float* biasp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   at::BFloat16* yp = out.data_ptr<at::BFloat16>();
@@ -798,7 +798,7 @@ at::Tensor bf16_word_rows_linear(const at::Tensor& x, const at::Tensor& blocks, 
       bf16::output_word_rows<typename decltype(f)::avx512>(quantised, rows, K, bp, biasp, yp, N, begin, end);
     });
   });
-  return out;
+  return true;
 }
 
 // The rows of x before valid_rows (a one-value integer tensor; all where undefined): a compiled
@@ -815,7 +815,8 @@ int64_t rows_to_compute(const at::Tensor& x, const std::optional<at::Tensor>& va
 // the CPU has AVX512-BF16: up to bf16::kDotRows finite rows as integers, up to amx::kRows on the
 // AMX tiles where the CPU has them, more on the bf16 panels; elsewhere, and for rows holding an
 // infinity or NaN, in float32 on AVX2, rounded to bf16 after float32). Rows from valid_rows on
-// are padding: their outputs are zeros, not computed.
+// are padding: their outputs are zeros, not computed. Every path writes into one output
+// allocated here (a batch-1 step makes 121 calls, each padded to two rows).
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
                         const std::optional<at::Tensor>& valid_rows) {
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "block_linear: CPU tensors only");
@@ -824,7 +825,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std
   TORCH_CHECK(x.dim() == 2, "block_linear: x must be [rows, in_features], got ", x.sizes());
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
               "block_linear: blocks must be a contiguous uint8 [out_features, bytes per row] tensor");
-  const int64_t K = x.size(1), N = blocks.size(0), rows = x.size(0), row_bytes = blocks.size(1);
+  const int64_t K = x.size(1), N = blocks.size(0), row_bytes = blocks.size(1);
   const Kind kind = kind_of(K, row_bytes);
   TORCH_CHECK(kind != Kind::kNone, "block_linear: x has ", K, " features (a multiple of 32 needed), so blocks of ",
               K / kBlock * Q4_0::kBytes, " (Q4_0), ", K / kBlock * Q4_1::kBytes, " (Q4_1), ", K / kBlock * Q8_0::kBytes,
@@ -833,24 +834,31 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std
   TORCH_CHECK(!(bias.has_value() && bias->defined()) || bias->numel() == N, "block_linear: bias has ",
               bias.has_value() && bias->defined() ? bias->numel() : 0, " values, the blocks ", N, " outputs");
   const int64_t valid = rows_to_compute(x, valid_rows);
-  if (valid < rows) {
-    at::Tensor out = at::zeros({rows, N}, x.options());
-    if (valid > 0) out.narrow(0, 0, valid).copy_(block_linear(x.narrow(0, 0, valid), blocks, bias, std::nullopt));
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  char* padding = static_cast<char*>(out.data_ptr()) + valid * N * out.element_size();
+  std::memset(padding, 0, (x.size(0) - valid) * N * out.element_size());
+  if (valid == 0) return out;
+  if (x.scalar_type() == at::kFloat) {
+    float_block_linear(x, valid, blocks, bias, kind, out);
     return out;
   }
-  if (x.scalar_type() == at::kFloat) return float_block_linear(x, blocks, bias, kind);
-  if (has_bf16_panels() && rows > 0) {
-    if (rows <= bf16::kDotRows) {
-      at::Tensor out = bf16_word_rows_linear(x, blocks, bias, kind);
-      if (out.defined()) return out;
+  if (has_bf16_panels()) {
+    if (valid <= bf16::kDotRows) {
+      if (bf16_word_rows_linear(x, valid, blocks, bias, kind, out)) return out;
     } else {
-      const bool on_tiles = tiles_serve(x, blocks);
-      if (on_tiles || N % bf16::kPanel == 0) return bf16_block_linear(x, blocks, bias, kind, on_tiles);
+      const bool on_tiles = tiles_serve(valid, x.scalar_type(), blocks);
+      if (on_tiles || N % bf16::kPanel == 0) {
+        bf16_block_linear(x, valid, blocks, bias, kind, on_tiles, out);
+        return out;
+      }
     }
   }
   std::optional<at::Tensor> bias32;
   if (bias.has_value() && bias->defined()) bias32 = bias->to(at::kFloat);
-  return float_block_linear(x.to(at::kFloat), blocks, bias32, kind).to(at::kBFloat16);
+  at::Tensor wide = at::empty({valid, N}, x.options().dtype(at::kFloat));
+  float_block_linear(x.narrow(0, 0, valid).to(at::kFloat), valid, blocks, bias32, kind, wide);
+  out.narrow(0, 0, valid).copy_(wide);
+  return out;
 }
 
 // True where `blocks` (the kernel's layout) expand to exactly `weight` [N, K]: float32 values
@@ -918,7 +926,8 @@ bool blocks_match(const at::Tensor& blocks, const at::Tensor& weight) {
 at::Tensor block_or_packed_linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& packed,
                                   const std::optional<at::Tensor>& bias, int64_t max_block_rows,
                                   const std::optional<at::Tensor>& valid_rows) {
-  if (x.size(0) <= max_block_rows || tiles_serve(x, blocks)) return block_linear(x, blocks, bias, valid_rows);
+  if (x.size(0) <= max_block_rows || tiles_serve(x.size(0), x.scalar_type(), blocks))
+    return block_linear(x, blocks, bias, valid_rows);
   static const auto linear = c10::Dispatcher::singleton()
       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
