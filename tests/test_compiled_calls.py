@@ -54,7 +54,9 @@ def test_inductors_vector_isa_probe_is_kept_on_disk_for_the_next_process(monkeyp
     another ISA than the best, the probe stops at the first valid one -- Inductor's own first
     -- and a later process (a cleared cache) takes it from disk, not from a new probe. A caller
     during a probe on another thread waits for its answer. Asked for another ISA
-    (``ATEN_CPU_CAPABILITY``), the whole probe's answer is kept apart."""
+    (``ATEN_CPU_CAPABILITY``), the whole probe's answer is kept apart. Whether AVX512-BF16
+    built is kept too: the ISA read from disk compiles with the probed ISA's flags (its
+    kernels' cache keys are the probing process's, not a second build of each)."""
     import json
 
     from torch._inductor import cpu_vec_isa as inductor
@@ -71,14 +73,20 @@ def test_inductors_vector_isa_probe_is_kept_on_disk_for_the_next_process(monkeyp
         vec_isa_cache.probe_in_background()  # as an engine starts: the caller below waits for its answer
         picked = vec_isa_cache.cpu_vec_isa()
         [kept] = folder.iterdir()
-        assert json.loads(kept.read_text()) == probed[:1] == [picked]
+        assert json.loads(kept.read_text())["isas"] == probed[:1] == [picked]
         assert [str(isa) for isa in inductor.valid_vec_isa_list()] == probed[:1]
         assert all(isa in inductor.supported_vec_isa_list for isa in inductor.valid_vec_isa_list())
+        [best] = inductor.valid_vec_isa_list()
+        probed_flags = best.build_arch_flags()
+        if hasattr(best, "_is_avx512_bf16_supported"):  # as a new process's object, never build-checked
+            best._is_avx512_bf16_supported = False
+        inductor.valid_vec_isa_list.cache_clear()
+        assert [isa.build_arch_flags() for isa in inductor.valid_vec_isa_list()] == [probed_flags]
         monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
         assert [str(isa) for isa in inductor.valid_vec_isa_list()] == probed
         assert len(list(folder.iterdir())) == 2
         monkeypatch.delenv("ATEN_CPU_CAPABILITY")
-        kept.write_text(json.dumps(["avx2"]))  # as if this CPU had only AVX2
+        kept.write_text(json.dumps({"isas": ["avx2"], "avx512_bf16": []}))  # as if this CPU had only AVX2
         inductor.valid_vec_isa_list.cache_clear()
         assert vec_isa_cache.cpu_vec_isa() == "avx2"
     finally:
