@@ -8,7 +8,8 @@ every step crosses into a new chunk and maps it, and unmaps it on return: 2-3 ti
 Unmapping memory of a process whose other threads run (the OpenMP worker of every parallel
 kernel) interrupts them to flush their TLBs, and in a VM each interrupt exits to the
 hypervisor: 8% of a SmolLM2 batch-1 decode step's main thread went to those flushes
-(``perf``, 2-core Intel Xeon VM), and steps ran 1.2x faster without them.
+(``perf``, 2-core Intel Xeon VM), and its decode steps ran 1.1-1.25x faster without them
+(bench/results/against_commit-frame-stack.json).
 
 :func:`reserved_frame_stack` runs a loop below one frame of :data:`RESERVED_SLOTS` empty
 local slots (~128 KB). CPython gives that frame a chunk of its own of 256 KB, and every frame
