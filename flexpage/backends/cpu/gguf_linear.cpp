@@ -853,10 +853,8 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std
       }
     }
   }
-  std::optional<at::Tensor> bias32;
-  if (bias.has_value() && bias->defined()) bias32 = bias->to(at::kFloat);
   at::Tensor wide = at::empty({valid, N}, x.options().dtype(at::kFloat));
-  float_block_linear(x.narrow(0, 0, valid).to(at::kFloat), valid, blocks, bias32, kind, wide);
+  float_block_linear(x.narrow(0, 0, valid).to(at::kFloat), valid, blocks, float_bias(bias), kind, wide);
   out.narrow(0, 0, valid).copy_(wide);
   return out;
 }
