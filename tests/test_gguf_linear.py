@@ -177,10 +177,11 @@ def test_a_bias_of_the_wrong_length_is_refused(rows):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("in_features", [256, 96])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 12, 13, 16, 17, 25, 100])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 12, 13, 16, 17, 25, 40, 64, 100])
 def test_bf16_rows_match_float64_to_bf16_rounding(kind, rows, in_features):
     """Up to 4 rows in float32 then rounded (two blocks a step, and an odd block's tail); more on
-    the bf16 panels (tiles of 12 rows and a tail), or where the CPU has AMX, 5-16 rows on its tiles."""
+    the bf16 panels (tiles of 12 rows and a tail), or where the CPU has AMX, 5-64 rows on its
+    tiles (groups of 16 rows, the last one partial or whole)."""
     raw = _blocks(kind, 96, in_features, seed=rows)
     weight = gguf_linear.expand(kind, raw).bfloat16().double()
     x, bias = torch.randn(rows, in_features).bfloat16(), torch.randn(96).bfloat16()
@@ -248,7 +249,7 @@ def test_a_bf16_projection_keeps_a_packed_weight_only_where_the_blocks_do_not_se
     blocks only. Elsewhere it keeps oneDNN's packed weight too: the few rows of a small decode
     batch are memory-bound and read the blocks (~40% of bf16's bytes), and from
     ``MAX_BLOCK_ROWS`` on the packed weight's result, eagerly and compiled alike (on AMX CPUs,
-    5-16 rows run the blocks on the AMX tiles, which sum as oneDNN's tiles do: the same bits)."""
+    5-64 rows run the blocks on the AMX tiles, which sum as oneDNN's tiles do: the same bits)."""
     from flexpage.model.packed_linear import PackedLinear
 
     raw = _blocks("Q4_1", 64, 64)
@@ -260,7 +261,8 @@ def test_a_bf16_projection_keeps_a_packed_weight_only_where_the_blocks_do_not_se
     assert (linear.weight is None) is blocks_only
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
     compiled = torch.compile(gguf_linear.block_or_packed_linear, dynamic=True, fullgraph=True)
-    for rows in (1, 2, gguf_linear.MAX_BLOCK_ROWS, gguf_linear.MAX_BLOCK_ROWS + 1, 16):
+    for rows in (1, 2, gguf_linear.MAX_BLOCK_ROWS, gguf_linear.MAX_BLOCK_ROWS + 1, 16, 48,
+                 gguf_linear.MAX_TILE_ROWS, gguf_linear.MAX_TILE_ROWS + 1):
         x = torch.randn(rows, 64).bfloat16()
         from_blocks = gguf_linear.block_linear(x, blocks, bias)
         assert torch.equal(linear(x), from_blocks if blocks_only or rows <= gguf_linear.MAX_BLOCK_ROWS

@@ -24,7 +24,7 @@ bytes, and both threads given equal shares of the outputs). So where :func:`bloc
 a bf16 projection keeps its blocks only, like float32. Elsewhere -- Intel CPUs with AMX, whose
 oneDNN bf16 tiles outrun the panels on many rows -- a bf16 model keeps its packed bf16 weights
 too and reads the blocks for up to :data:`MAX_BLOCK_ROWS` rows in float32 registers and for
-5-16 rows on the AMX tiles themselves (blocks expanded to bf16 into A tiles, ``x.T`` the B
+5-:data:`MAX_TILE_ROWS` rows on the AMX tiles themselves (blocks expanded to bf16 into A tiles, ``x.T`` the B
 tile: the same bits as oneDNN's packed bf16 from 2.4x fewer bytes), oneDNN's packed weight
 beyond (:func:`block_or_packed_linear`).
 
@@ -71,6 +71,9 @@ _SCALES = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 1, "Q8_16": 2}
 #: up to this many rows, oneDNN's packed bf16 beyond (:func:`block_or_packed_linear`): up to 4
 #: rows the blocks' 16-wide float32 path took 0.41-0.56x packed bf16's time on the Zen 5.
 MAX_BLOCK_ROWS = 4
+#: bf16 rows (more than ``MAX_BLOCK_ROWS``) up to this many run on the AMX tiles where the CPU
+#: has them (the kernel's ``amx::kRows``: four C tiles of 16 rows), oneDNN's packed bf16 beyond
+MAX_TILE_ROWS = 64
 
 #: GGUF tensor names (``blk.<i>.`` dropped) -> HF parameter names of a Llama-family model
 _HF_NAMES = {

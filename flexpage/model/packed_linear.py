@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flexpage.backends.cpu.description import describe
-from flexpage.model.gguf_linear import MAX_BLOCK_ROWS, block_linear, blocks_at_every_row
+from flexpage.model.gguf_linear import MAX_BLOCK_ROWS, MAX_TILE_ROWS, block_linear, blocks_at_every_row
 
 __all__ = ["PackedLinear", "can_prepack", "padded_rows", "row_step", "tiled_linear", "tiled_rows"]
 
@@ -155,7 +155,7 @@ class PackedLinear:
         dtype = str(weight.dtype).removeprefix("torch.")
         if self.blocks is not None:
             choice = (f"GGUF blocks ({dtype})" if self.weight is None
-                      else f"GGUF blocks up to {MAX_BLOCK_ROWS} rows (16 where AMX tiles run them), oneDNN packed {dtype} beyond")
+                      else f"GGUF blocks up to {MAX_BLOCK_ROWS} rows ({MAX_TILE_ROWS} where AMX tiles run them), oneDNN packed {dtype} beyond")
             reason = ("the block kernel covers every row count here" if self.weight is None
                       else "AMX: oneDNN's bf16 tiles outrun the blocks' panels on many rows")
         elif self.row_tile is not None:

@@ -595,18 +595,22 @@ void output_panels(const uint32_t* x, int64_t rows, int64_t K, const uint8_t* bl
 }  // namespace bf16
 #pragma GCC pop_options
 
-// bfloat16 inputs of up to 16 rows on CPUs with AMX: y.T = W @ x.T on tiles. Each thread takes
+// bfloat16 inputs of up to 64 rows on CPUs with AMX: y.T = W @ x.T on tiles. Each thread takes
 // 16 output rows at a time; for each block column (32 weights along k) their 16 blocks expand to
 // bf16 (the bf16 panels' rounding), one 64-byte row each: the A tile, in the blocks' own order.
-// The B tile is x.T as pairs along k, laid out once per call; tdpbf16ps accumulates the C tile
-// (16 outputs x the input rows), transposed once per 16 outputs on the way out. The blocks are
-// read once per call and the tile multiply costs next to nothing, so 16 rows cost about what 5
-// do: speculative verification (a decoding sequence plus its proposals) and small decode batches.
-// oneDNN's packed bf16, which such CPUs ran for 5-16 rows, reads the bf16 weights (2.4x the
-// blocks' bytes) and gives the same bits (both sum each 32-wide column in order on the tiles).
+// x.T is laid out once per call as B tiles of 16 input rows each (a last group of fewer rows padded
+// with zeros, whose outputs are not written); tdpbf16ps accumulates one C tile (16 outputs x 16
+// input rows) per group, each transposed once per 16 outputs on the way out. The blocks are read
+// and expanded once per call whatever the row count: on the AMX Xeon one forward's projections of
+// SmolLM2 took 11.4, 13.6, 17.1 and 19.1 ms at 16, 32, 48 and 64 rows against 17.3, 19.9, 20.1 and
+// 22.3 ms for oneDNN's packed bf16 (bench.gguf_linear), which reads the bf16 weights (2.4x the
+// blocks' bytes) and gives the same bits (both sum each 32-wide column in order on the tiles):
+// decode batches of up to 64 and speculative verification (a sequence plus its proposals).
 namespace amx {
-constexpr int64_t kRows = 16;     // input rows per call at most: one B tile's columns
-constexpr int64_t kOutputs = 16;  // output rows per C tile
+constexpr int64_t kGroupRows = 16;                // input rows per B and C tile
+constexpr int64_t kGroups = 4;                    // C tiles: tmm0-3 (A: tmm4, B: tmm5-7)
+constexpr int64_t kRows = kGroupRows * kGroups;   // input rows per call at most
+constexpr int64_t kOutputs = 16;                  // output rows per C tile
 }  // namespace amx
 
 // compilers that know the AMX intrinsics and feature names (GCC 11, clang 12); elsewhere the
@@ -624,48 +628,89 @@ struct TileConfig {  // ldtilecfg's 64-byte operand, palette 1
   uint8_t rows[16] = {};
 };
 
-// x_pairs[u * rows + i] = x[i, 2u], x[i, 2u + 1]: the B tiles of every block column, in order
-inline void pairs_by_column(const uint32_t* x, int64_t rows, int64_t pairs, uint32_t* x_pairs) {
-  for (int64_t u = 0; u < pairs; ++u)
-    for (int64_t i = 0; i < rows; ++i) x_pairs[u * rows + i] = x[i * pairs + u];
+// The B tiles of every group of 16 input rows and block column, in order:
+// x_pairs[(g * pairs + u) * 16 + i] = x[16 g + i, 2u], x[16 g + i, 2u + 1], zero past the last row
+inline std::vector<uint32_t> pairs_by_column(const uint32_t* x, int64_t rows, int64_t pairs) {
+  const int64_t groups = (rows + kGroupRows - 1) / kGroupRows;
+  std::vector<uint32_t> x_pairs(groups * pairs * kGroupRows, 0);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t u = 0; u < pairs; ++u) x_pairs[((i / kGroupRows) * pairs + u) * kGroupRows + i % kGroupRows] = x[i * pairs + u];
+  return x_pairs;
 }
 
-// Output rows [16 * begin, 16 * end) of y = x @ W.T + bias for `rows` <= 16 input rows given as
+// y rows [16 g, 16 g + 16) (those under `rows`) of 16 outputs from group g's C tile as stored
+// in c_tile, plus the bias
+inline void store_group(const float* c_tile, int64_t g, int64_t rows, __m512 add, at::BFloat16* y, int64_t N) {
+  __m512i c[16];
+  for (int j = 0; j < 16; ++j) c[j] = _mm512_load_si512(c_tile + j * kGroupRows);
+  bf16::transpose16(c);  // c[i]: the 16 outputs of input row 16 g + i
+  for (int64_t i = 0; i < std::min<int64_t>(kGroupRows, rows - g * kGroupRows); ++i)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (g * kGroupRows + i) * N),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_castsi512_ps(c[i]), add)));
+}
+
+// Output rows [16 * begin, 16 * end) of y = x @ W.T + bias for `rows` <= 64 input rows given as
 // x_pairs (pairs_by_column), prefetching the next 16 output rows' blocks a share per block column
 template <typename Format>
 void output_tiles(const uint32_t* x_pairs, int64_t rows, int64_t K, const uint8_t* blocks, const float* bias,
                   at::BFloat16* y, int64_t N, int64_t begin, int64_t end) {
   TileConfig config;
-  config.rows[0] = kOutputs, config.colsb[0] = rows * 4;   // C: 16 outputs x rows float32
-  config.rows[1] = kOutputs, config.colsb[1] = kBlock * 2;  // A: 16 outputs x 32 bf16 weights
-  config.rows[2] = kBlock / 2, config.colsb[2] = rows * 4;  // B: 16 pairs along k x rows
+  for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;  // C, A and B: 16 x 64 bytes each
   _tile_loadconfig(&config);
-  const int64_t row_bytes = K / kBlock * Format::kBytes, columns = K / kBlock;
+  const int64_t row_bytes = K / kBlock * Format::kBytes, columns = K / kBlock, pairs = K / 2;
+  const int64_t groups = (rows + kGroupRows - 1) / kGroupRows, group_stride = pairs * kGroupRows;
   const int64_t lines = kOutputs * row_bytes / 64;
   alignas(64) uint32_t a_tile[kOutputs * kBlock / 2];
-  alignas(64) float c_tile[kOutputs * kRows] = {};
+  alignas(64) float c_tile[kOutputs * kGroupRows];
   for (int64_t t = begin; t < end; ++t) {
     const uint8_t* w = blocks + t * kOutputs * row_bytes;
     const uint8_t* next = t + 1 < end ? w + kOutputs * row_bytes : nullptr;
     _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
     for (int64_t b = 0; b < columns; ++b) {
       if (next != nullptr)
         for (int64_t line = b * lines / columns; line < (b + 1) * lines / columns; ++line)
           _mm_prefetch(reinterpret_cast<const char*>(next) + 64 * line, _MM_HINT_T0);
       for (int j = 0; j < kOutputs; ++j)
         _mm512_store_si512(a_tile + j * kBlock / 2, Format::pairs(w + j * row_bytes + b * Format::kBytes));
-      _tile_loadd(1, a_tile, kBlock * 2);
-      _tile_loadd(2, x_pairs + b * kBlock / 2 * rows, rows * 4);
-      _tile_dpbf16ps(0, 1, 2);
+      _tile_loadd(4, a_tile, kBlock * 2);
+      // C tile g += A times group g's B tile, the B tiles loaded into tmm5-7 in turn (a load
+      // need not wait for the multiply before it to have read its tile); the tile numbers are
+      // immediates, so the groups are spelled out
+      const uint32_t* b_tiles = x_pairs + b * kBlock / 2 * kGroupRows;
+      _tile_loadd(5, b_tiles, kGroupRows * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      if (groups > 1) {
+        _tile_loadd(6, b_tiles + group_stride, kGroupRows * 4);
+        _tile_dpbf16ps(1, 4, 6);
+      }
+      if (groups > 2) {
+        _tile_loadd(7, b_tiles + 2 * group_stride, kGroupRows * 4);
+        _tile_dpbf16ps(2, 4, 7);
+      }
+      if (groups > 3) {
+        _tile_loadd(5, b_tiles + 3 * group_stride, kGroupRows * 4);
+        _tile_dpbf16ps(3, 4, 5);
+      }
     }
-    _tile_stored(0, c_tile, kRows * 4);
-    __m512i c[16];
-    for (int j = 0; j < 16; ++j) c[j] = _mm512_load_si512(c_tile + j * kRows);
-    bf16::transpose16(c);  // c[i]: the 16 outputs of input row i
     const __m512 add = bias != nullptr ? _mm512_loadu_ps(bias + t * kOutputs) : _mm512_setzero_ps();
-    for (int64_t i = 0; i < rows; ++i)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * N + t * kOutputs),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_castsi512_ps(c[i]), add)));
+    at::BFloat16* out = y + t * kOutputs;
+    _tile_stored(0, c_tile, kGroupRows * 4);
+    store_group(c_tile, 0, rows, add, out, N);
+    if (groups > 1) {
+      _tile_stored(1, c_tile, kGroupRows * 4);
+      store_group(c_tile, 1, rows, add, out, N);
+    }
+    if (groups > 2) {
+      _tile_stored(2, c_tile, kGroupRows * 4);
+      store_group(c_tile, 2, rows, add, out, N);
+    }
+    if (groups > 3) {
+      _tile_stored(3, c_tile, kGroupRows * 4);
+      store_group(c_tile, 3, rows, add, out, N);
+    }
   }
   _tile_release();
 }
@@ -760,8 +805,7 @@ void bf16_block_linear(const at::Tensor& x, int64_t rows, const at::Tensor& bloc
   at::BFloat16* yp = out.data_ptr<at::BFloat16>();
 #ifdef FLEXPAGE_AMX_TILES
   if (on_tiles) {
-    std::vector<uint32_t> x_pairs(rows * K / 2);
-    amx::pairs_by_column(xp, rows, K / 2, x_pairs.data());
+    const std::vector<uint32_t> x_pairs = amx::pairs_by_column(xp, rows, K / 2);
     at::parallel_for(0, N / amx::kOutputs, 1, [&](int64_t begin, int64_t end) {
       with_format(kind, [&](auto f) {
         amx::output_tiles<typename decltype(f)::avx512>(x_pairs.data(), rows, K, bp, biasp, yp, N, begin, end);
