@@ -115,22 +115,23 @@ inline float lane_sum(__m256 v) {
 }
 
 // The few-row kernels read each output row's blocks once, in order: they prefetch the row
-// kNearBytes ahead into L1 and, where a thread's share of the call is a long stream (at least
-// kFarStreamBytes), the row kFarBytes ahead into L2 (at least two rows ahead each). With L1
-// alone one row of a 1B Llama's Q4_0 projections and LM head ran at 23 GB/s on the AMX Xeon,
-// with L2 too at 27-28 GB/s (bench.gguf_linear --gguf, 1 row: 33-35 vs 40 ms). On SmolLM2's
-// short streams (0.1-0.7 MB a thread) the L2 prefetch made batch-1 decode 3-13% slower
-// (bench.against_commit), so shorter shares prefetch into L1 only.
-constexpr int64_t kNearBytes = 4096, kFarBytes = 16384, kFarStreamBytes = 1 << 20;
+// kNearBytes ahead into L1 and the row kFarBytes ahead into L2 (at least two rows ahead each).
+// A core's L1 keeps ~16 misses in flight, which at this VM's ~130 ns latency caps one thread
+// near 8 GB/s; requests into L2 have more room. With L1 alone one row of a 1B Llama's Q4_0
+// projections and LM head ran at 23 GB/s on the AMX Xeon, with L2 too at 27-28 GB/s
+// (bench.gguf_linear --gguf, 1 row: 33-35 vs 40 ms); SmolLM2's 121 projections of one
+// decode step (0.1-0.7 MB a thread each) from memory in 6.8-7.5 instead of 7.4-8.3 ms (a loop
+// of one step's calls, alternating builds), and its batch-1 decode 10.9-11.8 vs 11.7-12.5 ms a
+// token (LLM.generate, three alternating pairs of processes).
+constexpr int64_t kNearBytes = 4096, kFarBytes = 16384;
 
 class RowPrefetch {
  public:
-  // for output rows [begin, end) of row_bytes each
-  RowPrefetch(int64_t row_bytes, int64_t begin, int64_t end)
+  // for output rows before `end` of row_bytes each
+  RowPrefetch(int64_t row_bytes, int64_t end)
       : row_bytes_(row_bytes), lines_((row_bytes + 63) / 64), end_(end),
         near_(std::max<int64_t>(2, (kNearBytes + row_bytes - 1) / row_bytes)),
-        far_((end - begin) * row_bytes >= kFarStreamBytes ? std::max<int64_t>(2, (kFarBytes + row_bytes - 1) / row_bytes)
-                                                          : end - begin) {}
+        far_(std::max<int64_t>(2, (kFarBytes + row_bytes - 1) / row_bytes)) {}
 
   // before reading output row n, whose blocks start at `row`
   __attribute__((always_inline)) inline void operator()(const uint8_t* row, int64_t n) const {
@@ -177,7 +178,7 @@ template <typename Format>
 void output_rows(const float* x, int64_t rows, int64_t K, const uint8_t* blocks, float* y, int64_t N, int64_t begin,
                  int64_t end) {
   const int64_t row_bytes = K / kBlock * Format::kBytes;
-  const RowPrefetch prefetch(row_bytes, begin, end);
+  const RowPrefetch prefetch(row_bytes, end);
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* w = blocks + n * row_bytes;
     prefetch(w, n);
@@ -485,7 +486,7 @@ __attribute__((always_inline)) inline void rows_times_weight_words(const WordRow
 template <typename Format>
 void output_word_rows(const WordRows& x, int64_t rows, int64_t K, const uint8_t* blocks, const float* bias,
                       at::BFloat16* y, int64_t N, int64_t begin, int64_t end) {
-  const RowPrefetch prefetch(K / kBlock * Format::kBytes, begin, end);
+  const RowPrefetch prefetch(K / kBlock * Format::kBytes, end);
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* w = blocks + n * (K / kBlock * Format::kBytes);
     prefetch(w, n);
