@@ -299,7 +299,7 @@ void output_panels(const float* x, int64_t rows, int64_t K, const uint8_t* block
 // SmolLM2's projections from memory took 0.70-0.85x the time of oneDNN's packed bf16 from 5 to
 // 256 rows (a third of the bytes, both threads given equal halves of the outputs) and 0.92-0.96x
 // at 512-1,024 rows. Up to 4 rows, each output row's blocks multiply x quantised to integers
-// (bf16::WordRows, vpdpwssd; every CPU with AVX512-BF16 has AVX512-VNNI).
+// (bf16::WordRows, vpmaddwd).
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni")
 namespace bf16 {
@@ -348,7 +348,7 @@ inline __m512i byte_words(const uint8_t* codes) {
   return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
 }
 
-// Each format also gives its block as integer words w (words) and, per lane of vpdpwssd's 16 sums
+// Each format also gives its block as integer words w (words) and, per lane of vpmaddwd's 16 sums
 // (lane j: weights 2j, 2j + 1), the scale d of w (word_scales), plus an offset m where the weight
 // is d * w + m (kOffset, offset): what bf16::output_word_rows multiplies with integer inputs.
 struct Q4_1 : Pairs<Q4_1> {
@@ -408,9 +408,12 @@ struct Q8_16 : Pairs<Q8_16> {
 // power of two s = 2^(E - 14) for the block's largest exponent E, so c = x / s exactly wherever x's
 // exponent is at least E - 7 (a bf16 value has 8 significant bits), and c is rounded to nearest
 // where smaller: an error of at most s / 2 = 2^-15 of the block's largest magnitude, far under a
-// bf16 rounding of the result. A block's 32 products sum exactly in int32 (vpdpwssd), are
-// converted once, and scaled by s and the block's d: per block 8 vector instructions where
-// expanding the weights to float32 takes 12, so the memory-bound single row runs nearer its floor.
+// bf16 rounding of the result. A block's 32 products sum exactly in int32 (vpmaddwd: one
+// instruction where vpdpwssd needed a zeroed accumulator too), are converted once, and scaled by
+// s and the block's d (Q4_1's offset m * s * sum c in scalar code): per block 5-7 vector
+// instructions where expanding the weights to float32 takes 12. One thread on a 1536 x 576
+// projection held in cache, three alternating pairs of builds on the AMX Xeon: Q8_0 42-44 vs
+// 45-46 us, Q4_1 50-52 vs 52-54 us (Q4_1 is bound by unpacking its nibbles: 3 of its 7).
 struct WordRows {
   std::vector<int16_t> codes;  // [rows, K]
   std::vector<float> scale;    // [rows, K / 32]: s
@@ -448,35 +451,35 @@ inline bool quantise_rows(const uint16_t* bits, int64_t rows, int64_t K, WordRow
 // acc += s * d * (w . c) (+ m * s * sum c) for one block of R input rows
 template <typename Format, int R>
 __attribute__((always_inline)) inline void block_times_words(const uint8_t* block, const WordRows& x, int64_t K,
-                                                             int64_t b, __m512 acc[R], __m512 offset[R]) {
+                                                             int64_t b, __m512 acc[R], float offset[R]) {
   const int64_t count = K / kBlock;
   const __m512i w = Format::words(block);
   const __m512 d = Format::word_scales(block);
   for (int i = 0; i < R; ++i) {
     const __m512i c = _mm512_loadu_si512(x.codes.data() + i * K + b * kBlock);
-    const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), w, c));
+    const __m512 dot = _mm512_cvtepi32_ps(_mm512_madd_epi16(w, c));
     acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(dot, _mm512_set1_ps(x.scale[i * count + b])), d, acc[i]);
-    if constexpr (Format::kOffset)
-      offset[i] = _mm512_fmadd_ps(_mm512_set1_ps(Format::offset(block)), _mm512_set1_ps(x.sum[i * count + b]), offset[i]);
+    if constexpr (Format::kOffset) offset[i] = std::fma(Format::offset(block), x.sum[i * count + b], offset[i]);
   }
 }
 
 // y[i * ldy] = bf16(sum_k x[i, k] * w[k] + bias) for R <= kDotRows rows as WordRows and one
-// output row's blocks, two accumulator chains per row (even and odd blocks)
+// output row's blocks, two accumulator chains per row and offset (even and odd blocks)
 template <typename Format, int R>
 __attribute__((always_inline)) inline void rows_times_weight_words(const WordRows& x, int64_t K, const uint8_t* blocks,
                                                                    const float* bias, at::BFloat16* y, int64_t ldy) {
-  __m512 even[R], odd[R], offset[R];
-  for (int i = 0; i < R; ++i) even[i] = odd[i] = offset[i] = _mm512_setzero_ps();
+  __m512 even[R], odd[R];
+  float even_offset[R], odd_offset[R];
+  for (int i = 0; i < R; ++i) even[i] = odd[i] = _mm512_setzero_ps(), even_offset[i] = odd_offset[i] = 0.0f;
   const int64_t count = K / kBlock;
   int64_t b = 0;
   for (; b + 2 <= count; b += 2) {
-    block_times_words<Format, R>(blocks + b * Format::kBytes, x, K, b, even, offset);
-    block_times_words<Format, R>(blocks + (b + 1) * Format::kBytes, x, K, b + 1, odd, offset);
+    block_times_words<Format, R>(blocks + b * Format::kBytes, x, K, b, even, even_offset);
+    block_times_words<Format, R>(blocks + (b + 1) * Format::kBytes, x, K, b + 1, odd, odd_offset);
   }
-  if (b < count) block_times_words<Format, R>(blocks + b * Format::kBytes, x, K, b, even, offset);
+  if (b < count) block_times_words<Format, R>(blocks + b * Format::kBytes, x, K, b, even, even_offset);
   for (int i = 0; i < R; ++i) {
-    float sum = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i])) + _mm512_cvtss_f32(offset[i]);
+    float sum = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i])) + (even_offset[i] + odd_offset[i]);
     if (bias != nullptr) sum += *bias;
     y[i * ldy] = at::BFloat16(sum);
   }
