@@ -205,3 +205,38 @@ def test_model_impl_flexpage_without_a_compact_forward_is_a_value_error(tiny_mod
 def test_unknown_model_impl_is_a_value_error():
     with pytest.raises(ValueError, match="model_impl: got 'vllm', expected one of"):
         EngineConfig(model_impl="vllm")
+
+
+def rotary_values(model: torch.nn.Module, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's rotary module at ``positions`` in one call, as rope_tables lays them out."""
+    cos, sin = model.model.rotary_emb(model.model.norm.weight, positions[None])
+    half = cos.shape[-1] // 2
+    return cos[0, :, None], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)[:, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_tables_give_hf_rotary_values_at_any_positions(dtype, tiny_model):
+    """Static RoPE: rows of a table the decoder computes once (and grows past its largest
+    position), equal to HF's module called at those positions (up to the last bit of float32's
+    cos and sin: ATen computes a tensor's tail elements with the scalar functions)."""
+    model = load_reference(tiny_model("llama")).to(dtype)
+    decoder = CompactDecoder(model, prepack=False)
+    for positions in (torch.tensor([5, 0]), torch.arange(37), torch.tensor([300, 2, 129, 300])):
+        got, want = decoder.rope_tables(positions), rotary_values(model, positions)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and a.dtype == b.dtype == dtype and a.is_contiguous()
+            torch.testing.assert_close(a, b, rtol=0, atol=2e-7 if dtype == torch.float32 else 8e-3)
+
+
+def test_dynamic_rope_tables_come_from_hf_rotary_module_at_every_step():
+    """Dynamic NTK RoPE changes its frequencies with the longest position seen: no table, the module's own values."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                         num_hidden_layers=1, vocab_size=128, max_position_embeddings=64,
+                         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    model = LlamaForCausalLM(config).eval()
+    decoder = CompactDecoder(model, prepack=False)
+    for positions in (torch.arange(8), torch.tensor([200, 3])):
+        for a, b in zip(decoder.rope_tables(positions), rotary_values(model, positions)):
+            assert torch.equal(a, b)

@@ -33,6 +33,7 @@ every layer: one table, a pool of all layers, as before.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, groupby
@@ -50,6 +51,7 @@ from flexpage.attention.kv_pool import KVPool, block_slots
 from flexpage.attention.kv_quant import storage_dtype
 from flexpage.attention.paging import PagedBatch, build_paged_batch, next_power_of_two, token_positions
 from flexpage.attention.recipe import Recipe, offset_heads
+from flexpage.attention.step_plans import StepPlans
 from flexpage.config import MODEL_IMPLS
 from flexpage.core.kv_ops import BlockOp, BlockOpKind
 from flexpage.core.layer_groups import LayerGroup, plan_layer_groups
@@ -98,11 +100,14 @@ class PagedStep:
     evicted_pages: bool = False  # see StepInputs.evicted_pages
     #: every sequence's table is one row of consecutive blocks (the virtual layout)
     contiguous_rows: bool = False
+    #: the runner's plans of earlier steps, which a decode step may carry forward (None: build each plan)
+    plans: StepPlans | None = None
 
     def batch_for(self, recipe: Recipe, group: int = 0) -> PagedBatch:
         key = (recipe, group)
         if key not in self.batches:
-            self.batches[key] = build_paged_batch(
+            plan = build_paged_batch if self.plans is None else functools.partial(self.plans.plan, key)
+            self.batches[key] = plan(
                 self.group_tables[group] if group else self.block_tables, self.seq_lens, self.query_lens,
                 page_size=self.pool.block_size, num_pages=self.pool.num_blocks, recipe=recipe,
                 pages_per_block=self.pages_per_block, deterministic=self.deterministic,
@@ -304,6 +309,7 @@ class ModelRunner:
             and torch_patches.install().active else None
         )
         self._runners: dict[tuple[str, float | None], FlexRunner] = {}
+        self._plans = StepPlans()  # decode steps carry the last plan forward (flexpage.attention.step_plans)
         # the host tier for preemption by swapping: same layout as the pool's slots
         self.num_host_blocks = num_host_blocks
         rows = self.pool.storage.shape[0] * 2 * self.pool.num_kv_heads
@@ -394,6 +400,7 @@ class ModelRunner:
             runners=self._runners,
             evicted_pages=inputs.evicted_pages,
             contiguous_rows=self.pool.layout == "virtual",
+            plans=self._plans,
         )
         positions = torch.from_numpy(token_positions(np.asarray(inputs.seq_lens, dtype=np.int64),
                                                      np.asarray(inputs.query_lens, dtype=np.int64)))
