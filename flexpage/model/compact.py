@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flexpage.attention.paging import next_power_of_two
 from flexpage.model.gguf_linear import embedding
 from flexpage.model.packed_linear import PackedLinear
 from flexpage.model.tensor_parallel import TensorParallel
@@ -201,7 +202,7 @@ class CompactDecoder:
             return self._rope_at(positions)
         needed = int(positions.max()) + 1 if positions.numel() else 1
         if self._rope_table is None or self._rope_table[0].shape[0] < needed:
-            self._rope_table = self._rope_at(torch.arange(1 << (needed - 1).bit_length(), device=positions.device))
+            self._rope_table = self._rope_at(torch.arange(next_power_of_two(needed), device=positions.device))
         cos, sin = self._rope_table
         return cos.index_select(0, positions), sin.index_select(0, positions)
 
