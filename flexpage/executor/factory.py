@@ -17,6 +17,7 @@ import torch
 from flexpage.attention.eviction import EvictionPolicy
 from flexpage.attention.kv_quant import storage_dtype
 from flexpage.attention.recipe import Recipe
+from flexpage.backends.cpu import kernel_header
 from flexpage.backends.cpu.vec_isa_cache import probe_in_background
 from flexpage.config import EngineConfig, parse_size
 from flexpage.core.layer_groups import LayerGroup
@@ -72,6 +73,7 @@ def build_executor(config: EngineConfig) -> tuple[Executor, ModelInfo, KVSizing]
     compile = config.compile and os.environ.get("FLEXPAGE_COMPILE", "1") != "0"
     if compile:
         probe_in_background()  # the compiled kernels' vector ISA, while the model loads
+        kernel_header.build_in_background()  # and then Inductor's precompiled header for them
     path = resolve_model_path(config.model)
     dtype = default_dtype() if config.dtype == "auto" else parse_dtype(config.dtype)
     tokenizer = load_tokenizer(path)

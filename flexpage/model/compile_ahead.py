@@ -16,7 +16,8 @@ What keeps the fork safe in a process that has threads and thread pools:
   which is not even mapped in it (``MADV_DONTFORK``, :func:`flexpage.attention.kv_pool.allocate_pool`:
   the parent's KV writes then pay no copy-on-write).
 * It compiles its C++ kernels itself, one at a time: Inductor's worker pool is the parent's.
-* The vector-ISA probe (whose thread holds a lock while it runs) has answered before the fork.
+* The vector-ISA probe (whose thread holds a lock while it runs) has answered before the fork,
+  and Inductor's precompiled kernel header is built (:mod:`flexpage.backends.cpu.kernel_header`).
 * It leaves with ``os._exit``: no exit handlers, no flushing of buffers it shares with the
   parent, and it dies with the parent (``PR_SET_PDEATHSIG``, and it checks that the parent
   is still there once that is set). A child that fails or hangs costs the parent only the
@@ -39,6 +40,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 
+from flexpage.backends.cpu import kernel_header
 from flexpage.backends.cpu.vec_isa_cache import cpu_vec_isa
 
 __all__ = ["ForkedCompile", "compile_in_child"]
@@ -83,6 +85,7 @@ def compile_in_child(compile: Callable[[], None]) -> ForkedCompile | None:
         return None
     parent = os.getpid()
     cpu_vec_isa()  # waits for the probe thread, if one is running (its lock would stay held in the child)
+    kernel_header.wait()  # and for the kernel header's builder (the same: no thread of it is in the child)
     sys.stdout.flush()
     sys.stderr.flush()
     with warnings.catch_warnings():  # Python 3.12+ warns of forking with threads: the child keeps away from them
