@@ -1,9 +1,10 @@
 """Helper threads: started through here, waited for by ``LLM()``, stopped before the interpreter exits.
 
 flexpage starts a few threads so that slow chores overlap loading the model: the KV pool's
-population (:class:`flexpage.attention.kv_pool.KVPool`) and Inductor's vector-ISA probe
-(:func:`flexpage.backends.cpu.vec_isa_cache.probe_in_background`). Two rules keep them from
-running behind a user's back:
+population (:class:`flexpage.attention.kv_pool.KVPool`), Inductor's vector-ISA probe
+(:func:`flexpage.backends.cpu.vec_isa_cache.probe_in_background`) and its precompiled kernel
+header (:func:`flexpage.backends.cpu.kernel_header.build_in_background`). Two rules keep them
+from running behind a user's back:
 
 * :func:`wait` joins every running helper: ``LLM()`` calls it, so an engine that says it is
   ready has nothing left running (a timed step right after it pays for no page faults).
