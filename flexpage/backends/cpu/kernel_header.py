@@ -4,7 +4,7 @@ Inductor compiles every CPU kernel against a precompiled ``cpp_prefix.h`` (155 M
 ``config.cpp_cache_precompile_headers``), built by a process's first kernel compile where the
 system's temporary directory lacks it (Inductor keeps it there, outside the compile cache). On
 a first start that compile comes after both step programs are traced, and every kernel waits
-for the header: 8-9 s of g++ on the 2-core AMD EPYC Zen 4, nothing else compiling meanwhile.
+for the header: 6-9 s of g++ on the 2-core AMD EPYC Zen 4, nothing else compiling meanwhile.
 :func:`build_in_background` compiles a tiny kernel through the same path as Inductor's kernels
 (the same command line, so the same header) on a helper thread once the vector ISA is known,
 while the model loads on the other core. A compile cache it has built for once is left alone:
