@@ -21,9 +21,10 @@ extern "C" void kernel(float* out) {
 
 
 @pytest.fixture
-def header_requests(monkeypatch):
+def header_requests(monkeypatch, tmp_path):
     """The (header, command line) pairs that kernel loads ask Inductor to precompile, from a
-    code cache emptied for the test (a kernel loaded before is looked up in memory)."""
+    code cache emptied for the test (a kernel loaded before is looked up in memory); the
+    compile cache's marker kept to the test."""
     requests = []
     precompile = codecache._precompile_header
 
@@ -33,6 +34,7 @@ def header_requests(monkeypatch):
 
     monkeypatch.setattr(codecache, "_precompile_header", recording)
     monkeypatch.setattr(codecache.CppPythonBindingsCodeCache, "cache", {})
+    monkeypatch.setattr(kernel_header, "_marker", lambda: tmp_path / "kernel-header" / "built")
     return requests
 
 
