@@ -41,12 +41,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_once(env: dict[str, str], timeout: float) -> dict[str, float]:
+def start_once(env: dict[str, str], timeout: float, serve_args: list[str] = ()) -> dict[str, float]:
     """One start: seconds to ready, and the banner's load and warm-up."""
     port = free_port()
     with tempfile.TemporaryFile("w+") as log:
         started = time.perf_counter()
-        server = subprocess.Popen([sys.executable, "-m", "flexpage.cli", "serve", "--port", str(port)],
+        server = subprocess.Popen([sys.executable, "-m", "flexpage.cli", "serve", "--port", str(port), *serve_args],
                                   stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             while True:
@@ -78,6 +78,7 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="first start with an empty compile cache")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a start may take")
     parser.add_argument("--out", type=Path, help="write the rounds as JSON here")
+    parser.add_argument("--serve-args", default="", help="more arguments for flexpage serve, e.g. '--kv-cache-memory 8GiB'")
     args = parser.parse_args()
 
     env = dict(os.environ)
@@ -85,15 +86,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as empty_cache:
         if args.cold:
             env["TORCHINDUCTOR_CACHE_DIR"] = empty_cache
-            cold = start_once(env, args.timeout)
+            cold = start_once(env, args.timeout, args.serve_args.split())
             print(f"cold: ready {cold['ready_s']:.1f} s (load {cold['load_s']:.1f}, warm-up {cold['warm_up_s']:.1f})")
         for r in range(args.rounds):
-            rounds.append(start_once(env, args.timeout))
+            rounds.append(start_once(env, args.timeout, args.serve_args.split()))
             print(f"warm {r + 1}: ready {rounds[-1]['ready_s']:.1f} s "
                   f"(load {rounds[-1]['load_s']:.1f}, warm-up {rounds[-1]['warm_up_s']:.1f})")
-    medians = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
-    medians["imports_and_server_s"] = medians["ready_s"] - medians["load_s"] - medians["warm_up_s"]
-    print("median of warm starts: " + ", ".join(f"{key} {value:.1f}" for key, value in medians.items()))
+    medians = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]} if rounds else {}
+    if medians:
+        medians["imports_and_server_s"] = medians["ready_s"] - medians["load_s"] - medians["warm_up_s"]
+        print("median of warm starts: " + ", ".join(f"{key} {value:.1f}" for key, value in medians.items()))
     if args.out:
         result = {"machine": f"{_cpu_name()}, {os.cpu_count()} cores", "rounds": rounds, "median": medians,
                   "cold": cold if args.cold else None}

@@ -200,6 +200,9 @@ def serve(
     max_request_body: str = typer.Option("4MiB", help="Largest request body accepted; larger ones get 413."),
     drain_timeout: float = typer.Option(30.0, help="Seconds Ctrl-C waits for in-flight requests before aborting them."),
     warmup: bool = typer.Option(True, help="Run one tiny request before listening (compiles kernels)."),
+    wait_for_kv_pool: bool = typer.Option(False, help="Listen only once every page of the KV pool is in memory "
+                                                      "(seconds per GiB on a VM that backs memory lazily); by "
+                                                      "default the pool's pages are faulted in behind."),
     log_level: str = typer.Option("warning", help="critical | error | warning | info | debug."),
     kernel_fallback: Optional[str] = typer.Option(None, help=KERNEL_FALLBACK_HELP),
     tool_prompt: Optional[str] = typer.Option(None, help="A text file that shows a request's tools to the model, "
@@ -236,7 +239,7 @@ def serve(
         kv_resident_bytes=kv_resident_bytes, kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size,
         quantization=quantization, tensor_parallel_timeout=tensor_parallel_timeout, seed=seed, speculative_config=speculative_config,
         max_request_body=max_request_body,
-        drain_timeout=drain_timeout, warmup=warmup, tool_prompt=tool_prompt,
+        drain_timeout=drain_timeout, warmup=warmup, wait_for_kv_pool=wait_for_kv_pool, tool_prompt=tool_prompt,
         log_level=log_level,
     )
     try:

@@ -3,7 +3,9 @@
 * ``LLM()`` returns ready: no helper thread (KV pool population, vector-ISA probe) still runs.
 * Engines of different pool sizes, one after the other in one process, give the same greedy
   tokens; a dropped engine's KV pool is freed.
-* A KV pool dropped while it populates stops its thread (between 32 MB chunks).
+* A KV pool dropped while it populates stops its thread (between 8 MB chunks).
+* The warm-up does not wait for the KV pool's pages (the wait would grow with the pool), and
+  population takes turns with steps: no page is faulted in while a step holds the pool.
 * A compile child dropped before it was joined is killed and reaped.
 * A process that exits while a pool populates (through madvise, or through torch where the
   kernel lacks ``MADV_POPULATE_WRITE``) and a compile child runs exits with status 0, without
@@ -13,11 +15,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
+import mmap
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -50,6 +56,72 @@ def test_engines_of_different_pool_sizes_are_made_used_and_dropped_in_one_proces
     assert all(t == tokens[0] for t in tokens), tokens
 
 
+def test_the_warm_up_returns_while_the_kv_pool_still_populates(monkeypatch, tiny_model):
+    from flexpage.config import EngineConfig
+    from flexpage.engine import LLMEngine
+
+    may_start = threading.Event()
+    fault_in = kv_pool.fault_in
+    monkeypatch.setattr(kv_pool, "fault_in", lambda *args, **kwargs: may_start.wait(60) and fault_in(*args, **kwargs))
+    engine = LLMEngine(EngineConfig(model=str(tiny_model("llama")), kv_cache_memory="64MiB", dtype="float32",
+                                    compile=False))
+    try:
+        assert engine.warm_up() > 0
+        assert engine.runner.pool.populating
+    finally:
+        may_start.set()
+    engine.runner.pool.wait_until_resident()
+    assert not engine.runner.pool.populating
+
+
+def test_population_waits_while_steps_keep_coming():
+    pool = kv_pool.allocate_pool((64 << 20,), torch.uint8, populate=False)  # 64 MB: a mapping, not resident
+    turns = kv_pool.StepsFirst(idle_s=0.5)  # far longer than any gap below, on a busy machine too
+    helper = threading.Thread(target=kv_pool.fault_in, args=(pool,), kwargs={"turn": turns.chunk})
+    with turns.step():
+        helper.start()
+    for _ in range(50):  # 0.5 s of steps with the gaps of a serving loop between them
+        with turns.step():
+            time.sleep(0.01)
+        time.sleep(0.001)
+    assert _resident_bytes(pool) == 0  # nothing faulted in beside or between the steps
+    helper.join(60)  # the engine idle: the pool populates
+    assert _resident_bytes(pool) == pool.nbytes
+
+
+def test_a_step_waits_for_one_chunk_of_population_at_most():
+    pool = kv_pool.allocate_pool((64 << 20,), torch.uint8, populate=False)  # 8 chunks of 8 MB
+    turns = kv_pool.StepsFirst()
+
+    @contextlib.contextmanager
+    def slow_chunk():  # 100 ms a chunk: the population takes 0.8 s
+        with turns.chunk():
+            time.sleep(0.1)
+            yield
+
+    helper = threading.Thread(target=kv_pool.fault_in, args=(pool,), kwargs={"turn": slow_chunk})
+    helper.start()
+    while _resident_bytes(pool) == 0:
+        time.sleep(0.001)
+    for _ in range(3):  # steps back to back (with the gaps of a serving loop) get in between chunks
+        with turns.step():
+            assert _resident_bytes(pool) < pool.nbytes
+            time.sleep(0.02)
+        time.sleep(0.001)
+    helper.join(60)
+    assert _resident_bytes(pool) == pool.nbytes
+
+
+def _resident_bytes(pool: torch.Tensor) -> int:
+    """Bytes of ``pool``'s pages in memory (``mincore``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    pages = (pool.nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    flags = ctypes.create_string_buffer(pages)
+    assert libc.mincore(pool.data_ptr(), pool.nbytes, flags) == 0, ctypes.get_errno()
+    return sum(byte & 1 for byte in flags.raw) * mmap.PAGESIZE
+
+
 def test_a_pool_dropped_while_it_populates_stops_its_thread(monkeypatch):
     results = []
     fault_in = kv_pool.fault_in
@@ -66,8 +138,6 @@ def test_a_pool_dropped_while_it_populates_stops_its_thread(monkeypatch):
 
 
 def test_fault_in_stops_at_once_when_asked():
-    import threading
-
     pool = kv_pool.allocate_pool((4 << 20,), torch.uint8, populate=False)
     stop = threading.Event()
     stop.set()

@@ -105,7 +105,7 @@ def _vm_flags(address: int) -> set[str]:
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="page advice is read from Linux's /proc")
 @pytest.mark.parametrize("slow", [False, True], ids=["fast", "slow"])
 def test_a_pool_that_populates_slowly_puts_the_rest_on_small_pages(slow: bool):
-    """``hg``: advised onto 2 MB pages; ``nh``: onto 4 KB pages. The first 32 MB stay as they were."""
+    """``hg``: advised onto 2 MB pages; ``nh``: onto 4 KB pages. The first chunk (8 MB) stays as it was."""
     pool = allocate_pool((1, 2, 1 << 19, 64), torch.bfloat16, populate=False)  # 128 MiB
     fault_in(pool, slow_rate=float("inf") if slow else 0.0)
     assert "hg" in _vm_flags(pool.data_ptr())

@@ -12,9 +12,11 @@ attention's reads of a large pool take far fewer TLB misses than on 4 KB pages, 
 step pays for first-touch page faults (they made a 4 x 256-token prefill step ~13% slower).
 :class:`KVPool` faults the pages in on a helper thread (:mod:`flexpage.background`) while the
 model loads and compiles, on 4 KB pages from where 2 MB pages turn out slow to populate
-(:func:`fault_in`); :meth:`KVPool.wait_until_resident` waits for it (``LLM()`` and the engine's
-warm-up do). A pool dropped while it populates stops its thread at the next 32 MB chunk, and
-so does the process as it exits.
+(:func:`fault_in`). :meth:`KVPool.wait_until_resident` waits for it: ``LLM()`` does, and
+``flexpage serve`` where asked; the engine's warm-up does not (the wait grows with the pool:
+seconds per GiB on a VM that backs memory lazily), so a server is ready while its pool's pages
+still come in behind it. A pool dropped while it populates stops its thread at the next 8 MB
+chunk, and so does the process as it exits.
 
 An int8 pool (``dtype=torch.int8``: the 8-bit KV cache) stores keys and values in int8 steps of
 per-layer, per-head, per-channel scales (:attr:`KVPool.scales`, :mod:`flexpage.attention.kv_quant`):
@@ -28,6 +30,7 @@ arrives page by page as tokens are written and :meth:`KVPool.release` gives it b
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import math
@@ -35,7 +38,8 @@ import mmap
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import ContextManager
 
 import torch
 
@@ -94,13 +98,17 @@ class KVPool:
         # one allocation for everything, so swap/copy of a block touches one tensor
         self.storage = self.arena.tensor if self.arena is not None else allocate_pool(
             shape, dtype, self.device, populate=False)
+        #: steps (:meth:`ModelRunner.execute`) and the population of the pool's pages take turns,
+        #: steps first: pages are faulted in while the engine is idle
+        self.turns = StepsFirst()
         self._populating: threading.Thread | None = None
         if self.arena is None and _is_mapping(self.storage.device, self.storage.nbytes):
             # a helper thread (flexpage.background: LLM() waits for it, exit stops it), which
             # stops between chunks once this pool is dropped, handing the memory back
             stop = threading.Event()
-            self._populating = background.start(functools.partial(fault_in, self.storage, stop=stop),
-                                                name="flexpage-kv-populate", stop=stop)
+            self._populating = background.start(
+                functools.partial(fault_in, self.storage, stop=stop, turn=self.turns.chunk),
+                name="flexpage-kv-populate", stop=stop)
             weakref.finalize(self, stop.set)
         self._layers = [(_separate_tensor(self.storage[i, 0]), _separate_tensor(self.storage[i, 1]))
                         for i in range(num_layers)]
@@ -128,6 +136,11 @@ class KVPool:
     def layer_scales(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(key scale, value scale) ``[num_kv_heads, head_dim]`` of one layer; None for float pools."""
         return None if self.scales is None else (self.scales[index, 0], self.scales[index, 1])
+
+    @property
+    def populating(self) -> bool:
+        """Whether a paged pool's helper thread is still faulting its pages in."""
+        return self._populating is not None and self._populating.is_alive()
 
     def wait_until_resident(self) -> None:
         """Return once every page of a paged pool is faulted in (at once for the other layouts)."""
@@ -271,20 +284,71 @@ def _is_mapping(device: torch.device, nbytes: int) -> bool:
 
 
 #: bytes :func:`fault_in` populates per system call
-_POPULATE_CHUNK = 32 << 20
+_POPULATE_CHUNK = 8 << 20
 #: populating slower than this (bytes/s) on 2 MB pages, the rest of a pool goes on 4 KB pages
 SLOW_POPULATE_RATE = 2e9
 
 
-def fault_in(pool: torch.Tensor, slow_rate: float = SLOW_POPULATE_RATE, stop: threading.Event | None = None) -> bool:
+class StepsFirst:
+    """Steps on a pool and the population of its pages taking turns, steps first: a chunk of
+    population waits until no step has run for ``idle_s`` (a serving engine between requests,
+    not between the steps of one), and a step waits at most for the chunk in progress.
+
+    Why: on the 2-core EPYC VM, whose host backs memory lazily (an 8 GiB pool populates at
+    ~0.5 GB/s, a chunk of 8 MB in ~20 ms), a server's requests took 3-4x as long while the
+    pool populated beside them, and still ~3x with a chunk between every two steps; steps
+    that fault their own pages in cost nothing measurable. A plain lock starved the steps
+    instead: the populating thread took it back before the waiting step woke."""
+
+    def __init__(self, idle_s: float = 0.05) -> None:
+        self.idle_s = idle_s
+        self._state = threading.Condition()
+        self._steps = 0  # running or waiting
+        self._chunk = False  # a chunk in progress
+        self._last_step = -math.inf  # time.monotonic() of the last step's end
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        with self._state:
+            self._steps += 1
+            self._state.wait_for(lambda: not self._chunk)
+        try:
+            yield
+        finally:
+            with self._state:
+                self._steps -= 1
+                self._last_step = time.monotonic()
+                self._state.notify_all()
+
+    @contextlib.contextmanager
+    def chunk(self) -> Iterator[None]:
+        with self._state:
+            while True:
+                self._state.wait_for(lambda: self._steps == 0)
+                quiet = time.monotonic() - self._last_step
+                if quiet >= self.idle_s:
+                    break
+                self._state.wait(self.idle_s - quiet)  # or until a step starts or ends: look again
+            self._chunk = True
+        try:
+            yield
+        finally:
+            with self._state:
+                self._chunk = False
+                self._state.notify_all()
+
+
+def fault_in(pool: torch.Tensor, slow_rate: float = SLOW_POPULATE_RATE, stop: threading.Event | None = None,
+             turn: Callable[[], ContextManager[None]] | None = None) -> bool:
     """Fault every page of an :func:`allocate_pool` mapping in, writable; returns False where
     ``stop`` was set first (checked between chunks). The system calls run without the GIL
-    (ctypes), so a thread can do it while Python goes on.
+    (ctypes), so a thread can do it while Python goes on; each chunk runs inside ``turn()``
+    (a pool's :meth:`StepsFirst.chunk`, so that it waits for steps).
 
-    In chunks of 32 MB: populating holds the process's memory-map lock, which every ``mmap``
-    of the other threads waits for. In one 1 GiB call on the Zen 3 VM, the imports and the
-    model load running beside it (allocation-heavy) took 7.1 s instead of 3.5 s, and the
-    populating itself 3.8 s instead of 1.7-2.3 s.
+    In chunks of 8 MB: populating holds the process's memory-map lock, which every ``mmap``
+    of the other threads waits for, and a step waits for the chunk in progress. In one 1 GiB
+    call on the Zen 3 VM, the imports and the model load running beside it (allocation-heavy)
+    took 7.1 s instead of 3.5 s, and the populating itself 3.8 s instead of 1.7-2.3 s.
 
     Once a chunk populates slower than ``slow_rate`` bytes/s, the rest is advised onto 4 KB
     pages. On a virtual machine whose host backs guest memory on first touch and takes free
@@ -302,12 +366,14 @@ def fault_in(pool: torch.Tensor, slow_rate: float = SLOW_POPULATE_RATE, stop: th
         if stop is not None and stop.is_set():
             return False
         length = min(_POPULATE_CHUNK, nbytes - offset)
-        began = time.perf_counter()
-        can_advise = can_advise and libc.madvise(start + offset, length, _MADV_POPULATE_WRITE) == 0
-        if not can_advise:  # an older kernel (before 5.14): touch every page of the chunk instead
-            pool.view(-1).view(torch.uint8)[offset:offset + length:mmap.PAGESIZE].zero_()
+        with turn() if turn is not None else contextlib.nullcontext():
+            began = time.perf_counter()
+            can_advise = can_advise and libc.madvise(start + offset, length, _MADV_POPULATE_WRITE) == 0
+            if not can_advise:  # an older kernel (before 5.14): touch every page of the chunk instead
+                pool.view(-1).view(torch.uint8)[offset:offset + length:mmap.PAGESIZE].zero_()
+            took = time.perf_counter() - began
         end = offset + length
-        if may_be_huge and end < nbytes and length < slow_rate * (time.perf_counter() - began):
+        if may_be_huge and end < nbytes and length < slow_rate * took:
             libc.madvise(start + end, nbytes - end, _MADV_NOHUGEPAGE)
             may_be_huge = False
     return True

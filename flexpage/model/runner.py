@@ -340,9 +340,14 @@ class ModelRunner:
             return "the block kernel (x86 with AVX2/FMA/F16C and a C++ compiler)"
         return None
 
-    @torch.no_grad()
     def execute(self, inputs: StepInputs) -> Tensor:
-        """Forward the flat batch; returns float32 logits ``[len(sample_rows), vocab]``."""
+        """Forward the flat batch; returns float32 logits ``[len(sample_rows), vocab]``. The
+        KV pool's pages are faulted in between steps, not beside them (:class:`~flexpage.attention.kv_pool.StepsFirst`)."""
+        with self.pool.turns.step():
+            return self._execute(inputs)
+
+    @torch.no_grad()
+    def _execute(self, inputs: StepInputs) -> Tensor:
         step, token_ids, positions, sample_rows = self._step(inputs)
         with raised_compile_limits():  # once per step, not per layer (see flexpage.attention.flex)
             if self.compiled_step is not None:

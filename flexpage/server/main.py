@@ -65,6 +65,7 @@ class ServeSettings:
     max_request_body: str = "4MiB"
     drain_timeout: float = 30.0
     warmup: bool = True
+    wait_for_kv_pool: bool = False  # ready only once every KV pool page is faulted in (grows with kv_cache_memory)
     tool_prompt: str | None = None  # a file with a {tools} slot (see flexpage.server.tools)
     log_level: str = "warning"
 
@@ -105,7 +106,7 @@ def run_server(settings: ServeSettings) -> int:
         kv_cache_dtype=settings.kv_cache_dtype, tensor_parallel_size=settings.tensor_parallel_size, tensor_parallel_timeout=settings.tensor_parallel_timeout,
         quantization=settings.quantization, speculative_config=settings.speculative_config,
     )
-    timings = {"load": 0.0, "warm-up": 0.0}
+    timings = {"load": 0.0, "warm-up": 0.0}  # and "KV pool" where it is waited for
 
     def build_engine() -> Any:  # runs in the engine thread (see EngineLoop.build)
         start = time.perf_counter()
@@ -113,6 +114,10 @@ def run_server(settings: ServeSettings) -> int:
         timings["load"] = time.perf_counter() - start
         if settings.warmup:
             timings["warm-up"] = engine.warm_up()
+        if settings.wait_for_kv_pool:
+            start = time.perf_counter()
+            engine.runner.pool.wait_until_resident()
+            timings["KV pool"] = time.perf_counter() - start
         return engine
 
     uv_server: list[Any] = []  # set below; the engine thread stops it if the engine fails
@@ -129,7 +134,6 @@ def run_server(settings: ServeSettings) -> int:
         console.print("[yellow]interrupted during start-up[/yellow]")
         return 130
     engine = engine_loop.engine
-    load_s, warm_s = timings["load"], timings["warm-up"]
     served_name = settings.served_model_name or pathlib.Path(engine.model_path).name
     metrics = ServerMetrics(lambda: engine_loop.stats)
     engine_loop.metrics = metrics
@@ -141,7 +145,7 @@ def run_server(settings: ServeSettings) -> int:
     )
     app = build_app(state)
     engine_loop.start()
-    _banner(console, settings, engine, served_name, load_s, warm_s)
+    _banner(console, settings, engine, served_name, timings)
 
     uv_config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                                access_log=False, lifespan="off", loop="asyncio", http="h11",
@@ -206,8 +210,7 @@ def _layers_summary(engine: Any) -> str:
     return f"flexpage compact forward (fused projections from {weights})"
 
 
-def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str, load_s: float,
-            warm_s: float) -> None:
+def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str, timings: dict[str, float]) -> None:
     from rich.panel import Panel
     from rich.table import Table
 
@@ -251,9 +254,17 @@ def _banner(console: Any, settings: ServeSettings, engine: Any, served_name: str
     keys = len([k for k in (settings.api_key or "").split(",") if k.strip()])
     table.add_row("API key", ("required" if keys == 1 else f"required ({keys} keys; each scopes its conversations)")
                   if keys else "none (open)")
-    table.add_row("startup", f"load {load_s:.1f} s, warm-up {warm_s:.1f} s")
+    table.add_row("startup", f"load {timings['load']:.1f} s, warm-up {timings['warm-up']:.1f} s"
+                  + _kv_pool_summary(engine, timings))
     console.print(Panel(table, title="[bold]flexpage serve[/bold]", subtitle="Ctrl-C drains and stops",
                         expand=False))
+
+
+def _kv_pool_summary(engine: Any, timings: dict[str, float]) -> str:
+    """How the KV pool's pages stand at start-up: waited for, or still being faulted in."""
+    if "KV pool" in timings:
+        return f", KV pool resident {timings['KV pool']:.1f} s"
+    return "; KV pool pages faulting in while idle" if engine.runner.pool.populating else ""
 
 
 def _kv_dtype_summary(engine: Any) -> str:
