@@ -202,7 +202,7 @@ def serve(
     warmup: bool = typer.Option(True, help="Run one tiny request before listening (compiles kernels)."),
     wait_for_kv_pool: bool = typer.Option(False, help="Listen only once every page of the KV pool is in memory "
                                                       "(seconds per GiB on a VM that backs memory lazily); by "
-                                                      "default the pool's pages are faulted in behind."),
+                                                      "default the pool's pages come in while the engine is idle."),
     log_level: str = typer.Option("warning", help="critical | error | warning | info | debug."),
     kernel_fallback: Optional[str] = typer.Option(None, help=KERNEL_FALLBACK_HELP),
     tool_prompt: Optional[str] = typer.Option(None, help="A text file that shows a request's tools to the model, "

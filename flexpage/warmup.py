@@ -49,7 +49,7 @@ def warm_up(engine: LLMEngine) -> float:
 
     It does not wait for the KV pool to be resident: its helper thread goes on faulting the
     pool's pages in (:class:`~flexpage.attention.kv_pool.KVPool`), seconds per GiB on a virtual
-    machine that backs memory lazily (a 8 GiB pool: 16-45 s on the 2-core EPYC VM), so a wait
+    machine that backs memory lazily (an 8 GiB pool: ~16 s on the 2-core EPYC Zen 4 VM), so a wait
     here would grow with ``kv_cache_memory``. ``LLM()`` waits for it; ``flexpage serve`` only
     when asked (``--wait-for-kv-pool``).
     """

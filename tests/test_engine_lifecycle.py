@@ -5,7 +5,8 @@
   tokens; a dropped engine's KV pool is freed.
 * A KV pool dropped while it populates stops its thread (between 8 MB chunks).
 * The warm-up does not wait for the KV pool's pages (the wait would grow with the pool), and
-  population takes turns with steps: no page is faulted in while a step holds the pool.
+  population takes turns with steps: no page is faulted in beside or between the steps of a
+  stream of them, and a step waits for one chunk of population at most.
 * A compile child dropped before it was joined is killed and reaped.
 * A process that exits while a pool populates (through madvise, or through torch where the
   kernel lacks ``MADV_POPULATE_WRITE``) and a compile child runs exits with status 0, without
