@@ -17,9 +17,7 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
-import mmap
 import os
 import subprocess
 import sys
@@ -34,6 +32,7 @@ import torch
 
 from flexpage import LLM, SamplingParams, background
 from flexpage.attention import kv_pool
+from flexpage.attention.virtual_arena import resident_bytes
 from flexpage.model.compile_ahead import compile_in_child
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -85,9 +84,9 @@ def test_population_waits_while_steps_keep_coming():
         with turns.step():
             time.sleep(0.01)
         time.sleep(0.001)
-    assert _resident_bytes(pool) == 0  # nothing faulted in beside or between the steps
+    assert resident_bytes(pool) == 0  # nothing faulted in beside or between the steps
     helper.join(60)  # the engine idle: the pool populates
-    assert _resident_bytes(pool) == pool.nbytes
+    assert resident_bytes(pool) == pool.nbytes
 
 
 def test_a_step_waits_for_one_chunk_of_population_at_most():
@@ -102,25 +101,15 @@ def test_a_step_waits_for_one_chunk_of_population_at_most():
 
     helper = threading.Thread(target=kv_pool.fault_in, args=(pool,), kwargs={"turn": slow_chunk})
     helper.start()
-    while _resident_bytes(pool) == 0:
+    while resident_bytes(pool) == 0:
         time.sleep(0.001)
     for _ in range(3):  # steps back to back (with the gaps of a serving loop) get in between chunks
         with turns.step():
-            assert _resident_bytes(pool) < pool.nbytes
+            assert resident_bytes(pool) < pool.nbytes
             time.sleep(0.02)
         time.sleep(0.001)
     helper.join(60)
-    assert _resident_bytes(pool) == pool.nbytes
-
-
-def _resident_bytes(pool: torch.Tensor) -> int:
-    """Bytes of ``pool``'s pages in memory (``mincore``)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
-    pages = (pool.nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-    flags = ctypes.create_string_buffer(pages)
-    assert libc.mincore(pool.data_ptr(), pool.nbytes, flags) == 0, ctypes.get_errno()
-    return sum(byte & 1 for byte in flags.raw) * mmap.PAGESIZE
+    assert resident_bytes(pool) == pool.nbytes
 
 
 def test_a_pool_dropped_while_it_populates_stops_its_thread(monkeypatch):
